@@ -1,0 +1,27 @@
+# Every target does its own set-up on a fresh machine.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+# Pinned first so that pip never resolves a multi-GB CUDA build on CPU machines.
+# For a GPU build: TORCH_SPEC="torch==2.13.0 --index-url <your CUDA wheel index>" make test
+TORCH_SPEC ?= torch==2.13.0
+STAMP   := $(VENV)/.installed
+
+.PHONY: test install demo clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet $(TORCH_SPEC)
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info
