@@ -1,0 +1,146 @@
+"""Parquet store of sealed experience: one file per iteration, one row per sample.
+
+Each row answers, for one trained response: its ids, prompt and response tokens and text, the
+sampling contract and the policy version that sampled it, the stop reason, every log-prob field
+with its producer and version, the reward record, derived tensors, and the optimizer step that
+consumed it. Field provenance and the seal digest live in the file's schema metadata, and
+`read_iteration` rebuilds an ExperienceBatch whose digest must equal the stored one.
+
+Imported on its own (`sealrl.experience.store`) so that `import sealrl.experience` needs no
+pyarrow.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from sealrl.experience.batch import ExperienceBatch, SampleMeta, Versioned, pad_token_rows
+from sealrl.experience.fields import FIELDS, Align
+from sealrl.experience.ids import PolicyVersion
+from sealrl.experience.records import RewardRecord, Role, SamplingContract, StopReason
+
+_META_KEY = b"sealrl"
+_TORCH_TO_ARROW = {torch.float32: pa.float32(), torch.bool: pa.bool_()}
+
+
+def iteration_path(folder: str | os.PathLike, iteration: int) -> Path:
+    return Path(folder) / f"iter_{iteration:06d}.parquet"
+
+
+def to_table(batch: ExperienceBatch, consumed_step: int | None = None,
+             extra: dict[str, list] | None = None) -> pa.Table:
+    """One row per sample. `consumed_step` is the optimizer step that trained on the batch."""
+    if not batch.sealed:
+        raise ValueError(f"iteration {batch.iteration}: only sealed experience is stored")
+    batch.verify_seal()
+    s = batch.samples
+    cols: dict[str, pa.Array] = {
+        "sample_id": pa.array([x.sample_id for x in s], pa.string()),
+        "group_id": pa.array([x.group_id for x in s], pa.string()),
+        "prompt_id": pa.array([x.prompt_id for x in s], pa.string()),
+        "iteration": pa.array([batch.iteration] * len(s), pa.int64()),
+        "policy_version": pa.array([x.policy_version for x in s], pa.string()),
+        "seed": pa.array([x.seed for x in s], pa.int64()),
+        "stop_reason": pa.array([x.stop_reason.value for x in s], pa.string()),
+        "prompt_ids": pa.array([list(x.prompt_ids) for x in s], pa.list_(pa.int32())),
+        "response_ids": pa.array([list(x.response_ids) for x in s], pa.list_(pa.int32())),
+        "prompt_text": pa.array([x.prompt_text for x in s], pa.string()),
+        "response_text": pa.array([x.response_text for x in s], pa.string()),
+        "data_source": pa.array([x.data_source for x in s], pa.string()),
+        "ground_truth": pa.array([x.ground_truth for x in s], pa.string()),
+        "sampling": pa.array([batch.contract.to_json()] * len(s), pa.string()),
+        "consumed_step": pa.array([consumed_step] * len(s), pa.int64()),
+    }
+    lengths = [len(x.response_ids) for x in s]
+    for name in batch.field_names():
+        spec, value = FIELDS[name], batch.get(name)
+        if name == "reward_records":
+            cols.update(_reward_columns(value))
+        elif spec.align is Align.TOKEN:
+            rows = [value[i, :n].tolist() for i, n in enumerate(lengths)]
+            cols[name] = pa.array(rows, pa.list_(_TORCH_TO_ARROW[spec.dtype]))
+        else:
+            cols[name] = pa.array(value.tolist(), _TORCH_TO_ARROW[spec.dtype])
+    for name, values in (extra or {}).items():
+        cols[f"extra.{name}"] = pa.array(values)
+    meta = {
+        "run_id": batch.run_id, "iteration": batch.iteration,
+        "num_response_tokens": batch.num_response_tokens, "seal_digest": batch.seal_digest,
+        "versions": {k: v.to_json() for k, v in batch.versions.items()},
+        "fields": {n: {"producer": batch.provenance(n)[0].value, "version": batch.provenance(n)[1]}
+                   for n in batch.field_names()},
+    }
+    table = pa.table(cols)
+    return table.replace_schema_metadata({_META_KEY: json.dumps(meta).encode()})
+
+
+def _reward_columns(records: list[RewardRecord]) -> dict[str, pa.Array]:
+    return {
+        "reward_status": pa.array([r.status.value for r in records], pa.string()),
+        "reward_total": pa.array([r.total for r in records], pa.float64()),
+        "reward_components": pa.array([json.dumps(r.components, sort_keys=True) for r in records]),
+        "reward_scorer": pa.array([r.scorer for r in records], pa.string()),
+        "reward_scorer_version": pa.array([r.scorer_version for r in records], pa.string()),
+        "reward_message": pa.array([r.message for r in records], pa.string()),
+    }
+
+
+def write_iteration(folder: str | os.PathLike, batch: ExperienceBatch,
+                    consumed_step: int | None = None, extra: dict[str, list] | None = None) -> Path:
+    """Write atomically: a temporary file, fsync, then rename over the final name."""
+    path = iteration_path(folder, batch.iteration)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".parquet.tmp")
+    pq.write_table(to_table(batch, consumed_step, extra), tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def read_table(path: str | os.PathLike) -> tuple[pa.Table, dict]:
+    table = pq.read_table(path)
+    raw = (table.schema.metadata or {}).get(_META_KEY)
+    if raw is None:
+        raise ValueError(f"{path}: not a sealrl experience file (no '{_META_KEY.decode()}' metadata)")
+    return table, json.loads(raw)
+
+
+def read_iteration(path: str | os.PathLike) -> ExperienceBatch:
+    """Rebuild the sealed batch; raises if the rebuilt facts do not match the stored digest."""
+    table, meta = read_table(path)
+    c = table.to_pydict()
+    versions = [PolicyVersion.from_json(v) for v in meta["versions"].values()]
+    samples = [
+        SampleMeta(sample_id=c["sample_id"][i], group_id=c["group_id"][i], prompt_id=c["prompt_id"][i],
+                   prompt_ids=tuple(c["prompt_ids"][i]), response_ids=tuple(c["response_ids"][i]),
+                   stop_reason=StopReason(c["stop_reason"][i]), policy_version=c["policy_version"][i],
+                   seed=c["seed"][i], prompt_text=c["prompt_text"][i], response_text=c["response_text"][i],
+                   data_source=c["data_source"][i], ground_truth=c["ground_truth"][i])
+        for i in range(table.num_rows)
+    ]
+    contract = SamplingContract.from_json(c["sampling"][0]) if table.num_rows else SamplingContract()
+    batch = ExperienceBatch(meta["run_id"], meta["iteration"], samples, contract, versions)
+    batch.num_response_tokens = meta["num_response_tokens"]
+    for name, prov in meta["fields"].items():
+        spec = FIELDS[name]
+        if name == "reward_records":
+            value = [RewardRecord(status=c["reward_status"][i], total=c["reward_total"][i],
+                                  components=json.loads(c["reward_components"][i]),
+                                  scorer=c["reward_scorer"][i], scorer_version=c["reward_scorer_version"][i],
+                                  message=c["reward_message"][i]) for i in range(table.num_rows)]
+        elif spec.align is Align.TOKEN:
+            value = pad_token_rows(c[name], batch.num_response_tokens, spec.dtype)
+        else:
+            value = torch.tensor(c[name], dtype=spec.dtype)
+        batch._fields[name] = Versioned(value, Role(prov["producer"]), prov["version"])
+    if meta["seal_digest"] is not None:
+        batch._seal_digest = meta["seal_digest"]
+        batch.verify_seal()
+    return batch
+
