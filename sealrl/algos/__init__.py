@@ -1,0 +1,46 @@
+"""sealrl.algos: pure tensor functions of the algorithm layer (imports torch only).
+
+advantages  GAE, GRPO / Dr.GRPO, RLOO, REINFORCE++ (+baseline), whitening
+kl          KL estimators, KL-shaped token rewards, KL coefficient controllers
+losses      loss aggregation (global normaliser), PPO / GSPO / PG policy losses, value loss, entropy
+correction  rollout-vs-trainer mismatch: truncated IS weights, rejection masks, metrics
+"""
+from sealrl.algos.advantages import (
+    broadcast_to_tokens,
+    gae,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    rloo_advantages,
+    whiten,
+)
+from sealrl.algos.correction import importance_weights, mismatch_metrics, rejection_mask
+from sealrl.algos.kl import (
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    kl_penalty,
+    shaped_token_rewards,
+)
+from sealrl.algos.losses import (
+    AGG_MODES,
+    POLICY_LOSSES,
+    LossNormaliser,
+    aggregate,
+    entropy_from_logits,
+    gspo_loss,
+    make_normaliser,
+    policy_gradient_loss,
+    ppo_clip_loss,
+    value_loss,
+)
+
+__all__ = [
+    "broadcast_to_tokens", "gae", "grpo_advantages", "reinforce_pp_advantages",
+    "reinforce_pp_baseline_advantages", "rloo_advantages", "whiten",
+    "importance_weights", "mismatch_metrics", "rejection_mask",
+    "KL_ESTIMATORS", "AdaptiveKLController", "FixedKLController", "kl_penalty",
+    "shaped_token_rewards",
+    "AGG_MODES", "POLICY_LOSSES", "LossNormaliser", "aggregate", "entropy_from_logits",
+    "gspo_loss", "make_normaliser", "policy_gradient_loss", "ppo_clip_loss", "value_loss",
+]
