@@ -251,10 +251,13 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mas
 def entropy_from_logits(logits: Tensor) -> Tensor:
     """Entropy of softmax(logits) over the last axis:  H = logsumexp(z) - sum_v softmax(z)_v z_v.
 
-    (..., V) -> (...). Stable for large logits (logsumexp) and for -inf logits (filtered
+    (..., V) -> (...). Stable for large logits (max-shift + logsumexp) and for -inf logits (filtered
     vocab): those get p = 0 and are zeroed before the product, so neither value nor gradient is
     NaN. Materialises the (..., V) probabilities: chunk over tokens for large vocabularies.
     """
-    p = torch.softmax(logits, dim=-1)
-    z = torch.where(torch.isfinite(logits), logits, torch.zeros_like(logits))
-    return torch.logsumexp(logits, dim=-1) - (p * z).sum(-1)
+    # shift by the max first: H is shift-invariant, and lse(z) - sum p z would otherwise
+    # subtract two numbers of the size of the logits (catastrophic cancellation)
+    z = logits - logits.detach().amax(dim=-1, keepdim=True)
+    p = torch.softmax(z, dim=-1)
+    z_finite = torch.where(torch.isfinite(z), z, torch.zeros_like(z))
+    return torch.logsumexp(z, dim=-1) - (p * z_finite).sum(-1)
