@@ -1,0 +1,73 @@
+"""Command line: `sealrl train CONFIG [section.key=value ...]` and `sealrl eval PATH`.
+
+Expected failures (a wrong config value, a missing file, an unknown key, a refused resume)
+end with one line on stderr and exit status 2, not a traceback."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, RuntimeError)
+
+
+def _train(args) -> int:
+    from sealrl.trainer.config import load_config
+    overrides = list(args.overrides)
+    resume = [o for o in overrides if o.startswith("resume=")]
+    overrides = [o for o in overrides if not o.startswith("resume=")]
+    overrides += [f"run.{o}" for o in resume]   # `resume=auto` is shorthand for run.resume=auto
+    cfg = load_config(args.config, overrides)   # before heavy imports: a bad key fails fast
+    from sealrl.trainer.driver import train
+    summary = train(cfg)
+    print(json.dumps({k: summary[k] for k in ("accuracy_before", "accuracy_after", "wall_s", "iterations")}))
+    return 0
+
+
+def _eval(args) -> int:
+    from sealrl.trainer.config import load_config
+    from sealrl.trainer.eval_cli import evaluate_path
+    path = Path(args.path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    run_cfg = next((p / "config.yaml" for p in (path, path.parent, path.parent.parent)
+                    if (p / "config.yaml").is_file()), None)
+    cfg = load_config(str(run_cfg) if run_cfg else args.config, args.overrides)
+    out = evaluate_path(path, cfg, num=args.num, pass_k=args.pass_k)
+    print(json.dumps(out))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sealrl", description="RL post-training with a sealed, "
+                                     "versioned experience record.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train a policy", description="Train from a YAML config; "
+                       "dotted overrides such as rollout.n=8 actor.lr=1e-5 change single keys; "
+                       "resume=auto continues from the last committed checkpoint.")
+    t.add_argument("config", help="YAML config file (see examples/)")
+    t.add_argument("overrides", nargs="*", help="section.key=value overrides, or resume=auto")
+    t.set_defaults(fn=_train)
+    e = sub.add_parser("eval", help="held-out accuracy and pass@k of a run, checkpoint or model folder",
+                       description="Evaluate a run folder (its final model, else its latest checkpoint), "
+                       "a checkpoint folder, or a Hugging Face model folder on the held-out problems.")
+    e.add_argument("path", help="runs/<name>, runs/<name>/checkpoints/step_N, or a model folder")
+    e.add_argument("--config", default=None, help="config for a bare model folder (task, max tokens)")
+    e.add_argument("--num", type=int, default=None, help="number of held-out problems (default: eval.num)")
+    e.add_argument("--pass-k", type=int, default=1, help="also report pass@k with k samples")
+    e.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    e.set_defaults(fn=_eval)
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except KeyboardInterrupt:
+        print("sealrl: interrupted", file=sys.stderr)
+        return 130
+    except USER_ERRORS as e:
+        print(f"sealrl: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

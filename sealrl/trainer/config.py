@@ -1,0 +1,317 @@
+"""Typed, validated run configuration: a YAML file plus dotted overrides (`actor.lr=1e-5`).
+
+Two levels only (`section.field`). Every field has a one-line doc; unknown keys are errors that
+suggest the closest valid key; values are checked at construction and errors name the field,
+the rule and the bad value.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import yaml
+
+EMBEDDED_MODEL = str(Path(__file__).resolve().parents[1] / "assets" / "arith-tiny")
+
+
+class ConfigError(ValueError):
+    """A config value, key or file is wrong; the message is one line that says which."""
+
+
+def _check(ok: bool, key: str, rule: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{key} must be {rule}, got {value!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    name: str = "arith_grpo"               # run folder name under output_dir
+    output_dir: str = "runs"               # parent of run folders
+    seed: int = 0                          # root of every derived seed
+    iterations: int = 60                   # RL iterations (one optimizer phase each)
+    resume: str = "never"                  # never | auto (continue from the latest committed checkpoint)
+    checkpoint_every: int = 0              # iterations between checkpoints; 0 = only at the end
+    eval_every: int = 0                    # iterations between held-out evaluations; 0 = before/after only
+    max_wall_s: float = 0.0                # stop after this much training time (0 = no limit)
+    threads: int = 0                       # torch threads (0 = leave torch's default)
+    progress: bool = True                  # live progress bar on stderr
+
+    def __post_init__(self):
+        _check(self.resume in ("never", "auto"), "run.resume", "never or auto", self.resume)
+        _check(self.iterations >= 1, "run.iterations", ">= 1", self.iterations)
+        _check(self.checkpoint_every >= 0, "run.checkpoint_every", ">= 0", self.checkpoint_every)
+        _check(bool(self.name) and "/" not in self.name and ".." not in self.name and
+               not self.name.startswith("."), "run.name", "a plain folder name", self.name)
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    path: str = EMBEDDED_MODEL             # local Hugging Face causal-LM folder
+    trust_remote_code: bool = False        # only for folders you trust
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    task: str = "arith"                    # arith | countdown | file (train_file/eval_file in verl layout)
+    train_file: str = ""                   # Parquet or JSONL in the verl layout (task=file)
+    eval_file: str = ""                    # held-out Parquet or JSONL (task=file)
+    num_train: int = 4000                  # synthetic training prompts
+    num_eval: int = 500                    # held-out problems for evaluation
+    prompts_per_iter: int = 32             # prompts per iteration (each becomes a group of rollout.n)
+    max_prompt_tokens: int = 64            # longer prompts are an error (or dropped, see on_bad_row)
+    on_bad_row: str = "error"              # error | drop (counted)
+    use_chat_template: bool = True         # apply the tokenizer's chat template to `prompt`
+
+    def __post_init__(self):
+        _check(self.task in ("arith", "countdown", "file"), "data.task", "arith, countdown or file", self.task)
+        _check(self.prompts_per_iter >= 1, "data.prompts_per_iter", ">= 1", self.prompts_per_iter)
+        _check(self.on_bad_row in ("error", "drop"), "data.on_bad_row", "error or drop", self.on_bad_row)
+        if self.task == "file":
+            _check(bool(self.train_file), "data.train_file", "set when data.task=file", self.train_file)
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    n: int = 8                             # candidates per prompt (group size)
+    temperature: float = 1.0               # sampling temperature (training log-probs use the same)
+    top_p: float = 1.0                     # nucleus filter (1 = off)
+    top_k: int = 0                         # top-k filter (0 = off)
+    max_new_tokens: int = 8                # response budget; hitting it is a truncation
+    max_retries: int = 1                   # regenerations of a failed sample before its group is dropped
+
+    def __post_init__(self):
+        _check(self.n >= 1, "rollout.n", ">= 1", self.n)
+        _check(self.temperature > 0, "rollout.temperature", "> 0", self.temperature)
+        _check(0 < self.top_p <= 1, "rollout.top_p", "in (0, 1]", self.top_p)
+        _check(self.top_k >= 0, "rollout.top_k", ">= 0", self.top_k)
+        _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", self.max_new_tokens)
+
+
+ALGORITHMS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo")
+
+
+@dataclass(kw_only=True, slots=True)
+class AlgorithmConfig:
+    name: str = "grpo"                     # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | ppo
+    gamma: float = 1.0                     # discount (PPO/GAE, REINFORCE++)
+    lam: float = 0.95                      # GAE lambda (PPO)
+    kl_coef: float = 0.0                   # KL coefficient; 0 loads no reference model
+    kl_in: str = "loss"                    # loss | reward (shaped token rewards)
+    kl_estimator: str = "k3"               # k1 | abs | k2 | k3 | k1+ | k3+ (straight-through)
+    kl_target: float = 0.0                 # > 0: adaptive KL controller towards this KL (Ziegler et al.)
+    kl_horizon: int = 10000                # adaptive controller horizon
+    whiten_advantages: bool = False        # whiten advantages over the batch (explicit option)
+    old_log_prob: str = "recompute"        # recompute (actor forward before any update) | bypass (= rollout)
+    correction: str = "none"               # none | token_is | seq_is | token_reject | seq_reject
+    correction_threshold: float = 2.0      # IS cap, or rejection threshold
+    reward_error: str = "drop_group"       # drop_group | retry | penalty
+    reward_error_penalty: float = 0.0      # score given to an errored sample when reward_error=penalty
+    overlong: str = "none"                 # none | mask (truncated responses get no loss) | soft
+    overlong_buffer: int = 4               # soft penalty ramps over the last this-many tokens
+    overlong_penalty: float = 1.0          # maximal soft penalty
+
+    def __post_init__(self):
+        _check(self.name in ALGORITHMS, "algorithm.name", " | ".join(ALGORITHMS), self.name)
+        _check(0 <= self.gamma <= 1, "algorithm.gamma", "in [0, 1]", self.gamma)
+        _check(0 <= self.lam <= 1, "algorithm.lam", "in [0, 1]", self.lam)
+        _check(self.kl_coef >= 0, "algorithm.kl_coef", ">= 0", self.kl_coef)
+        _check(self.kl_in in ("loss", "reward"), "algorithm.kl_in", "loss or reward", self.kl_in)
+        _check(self.kl_estimator in ("k1", "abs", "k2", "k3", "k1+", "k3+"), "algorithm.kl_estimator",
+               "k1 | abs | k2 | k3 | k1+ | k3+", self.kl_estimator)
+        _check(self.old_log_prob in ("recompute", "bypass"), "algorithm.old_log_prob",
+               "recompute or bypass", self.old_log_prob)
+        _check(self.correction in ("none", "token_is", "seq_is", "token_reject", "seq_reject"),
+               "algorithm.correction", "none | token_is | seq_is | token_reject | seq_reject", self.correction)
+        _check(self.reward_error in ("drop_group", "retry", "penalty"), "algorithm.reward_error",
+               "drop_group | retry | penalty", self.reward_error)
+        _check(self.overlong in ("none", "mask", "soft"), "algorithm.overlong", "none | mask | soft", self.overlong)
+
+
+@dataclass(kw_only=True, slots=True)
+class ActorConfig:
+    lr: float = 1e-4                       # AdamW learning rate
+    weight_decay: float = 0.0              # AdamW weight decay
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
+    warmup_steps: int = 0                  # linear warm-up (optimizer steps)
+    lr_schedule: str = "constant"          # constant | cosine | linear (decay after warm-up)
+    min_lr_ratio: float = 0.0              # floor of the decay, as a fraction of lr
+    ppo_epochs: int = 1                    # passes over the iteration's experience
+    mini_batch_size: int = 0               # samples per optimizer step (0 = the whole batch)
+    micro_batch_size: int = 64             # samples per forward/backward (gradient accumulation)
+    grad_clip: float = 1.0                 # max global grad norm (0 = off)
+    loss: str = "ppo"                      # ppo | gspo | pg
+    loss_agg: str = "token-mean"           # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
+    clip_low: float = 0.2                  # PPO ratio lower clip (1 - clip_low)
+    clip_high: float = 0.2                 # PPO ratio upper clip (1 + clip_high); > clip_low = clip-higher
+    dual_clip: float = 0.0                 # dual-clip constant c > 1 (0 = off)
+    entropy_coef: float = 0.0              # entropy bonus
+
+    def __post_init__(self):
+        _check(self.lr > 0, "actor.lr", "> 0", self.lr)
+        _check(self.lr_schedule in ("constant", "cosine", "linear"), "actor.lr_schedule",
+               "constant | cosine | linear", self.lr_schedule)
+        _check(self.ppo_epochs >= 1, "actor.ppo_epochs", ">= 1", self.ppo_epochs)
+        _check(self.micro_batch_size >= 1, "actor.micro_batch_size", ">= 1", self.micro_batch_size)
+        _check(self.mini_batch_size >= 0, "actor.mini_batch_size", ">= 0", self.mini_batch_size)
+        _check(self.loss in ("ppo", "gspo", "pg"), "actor.loss", "ppo | gspo | pg", self.loss)
+        _check(self.loss_agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                 "seq-mean-token-sum-norm"), "actor.loss_agg",
+               "token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm", self.loss_agg)
+        _check(self.dual_clip == 0 or self.dual_clip > 1, "actor.dual_clip", "0 or > 1", self.dual_clip)
+        _check(0 <= self.clip_low < 1, "actor.clip_low", "in [0, 1)", self.clip_low)
+        _check(self.clip_high >= 0, "actor.clip_high", ">= 0", self.clip_high)
+        self.betas = tuple(self.betas)
+
+
+@dataclass(kw_only=True, slots=True)
+class CriticConfig:
+    lr: float = 1e-4                       # critic AdamW learning rate (PPO only)
+    weight_decay: float = 0.0              # critic AdamW weight decay
+    value_clip: float = 0.0                # value-loss clip (0 = off)
+    grad_clip: float = 1.0                 # critic max grad norm (0 = off)
+    warmup_steps: int = 0                  # critic linear warm-up
+
+    def __post_init__(self):
+        _check(self.lr > 0, "critic.lr", "> 0", self.lr)
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardConfig:
+    fn: str = "auto"                       # auto (by data source) | arith | countdown | math
+    num_workers: int = 0                   # scorer processes (0 = in-process, no deadline)
+    timeout_s: float = 10.0                # per-call deadline in worker processes
+
+    def __post_init__(self):
+        _check(self.fn in ("auto", "arith", "countdown", "math"), "reward.fn",
+               "auto | arith | countdown | math", self.fn)
+        _check(self.timeout_s > 0, "reward.timeout_s", "> 0", self.timeout_s)
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalConfig:
+    num: int = 500                         # held-out problems evaluated (<= data.num_eval)
+    pass_k: int = 1                        # k of pass@k (k > 1 samples at eval.temperature)
+    temperature: float = 1.0               # sampling temperature when pass_k > 1
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def to_dict(self) -> dict:
+        return {f.name: {g.name: _plain(getattr(getattr(self, f.name), g.name))
+                         for g in fields(getattr(self, f.name))} for f in fields(self)}
+
+    def hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _plain(v):
+    return list(v) if isinstance(v, tuple) else v
+
+
+def _section_types() -> dict[str, type]:
+    return {f.name: get_type_hints(Config)[f.name] for f in fields(Config)}
+
+
+def _suggest(key: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(key, options, n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else f"; valid: {', '.join(sorted(options))}"
+
+
+def _coerce(key: str, raw: Any, typ: Any) -> Any:
+    """Turn a YAML value or a CLI string into the declared type, or say which key is wrong.
+    CLI strings are parsed as YAML scalars except for str fields, which are taken verbatim."""
+    value = yaml.safe_load(raw) if isinstance(raw, str) and typ is not str else raw
+    expected = getattr(typ, "__origin__", None) or typ
+    if expected is float and isinstance(value, str):
+        try:  # YAML 1.1 reads 1e-5 (no dot) as a string
+            value = float(value)
+        except ValueError:
+            pass
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if expected is tuple and isinstance(value, list):
+        value = tuple(value)
+    if not isinstance(value, expected) or (expected in (int, float) and isinstance(value, bool)):
+        raise ConfigError(f"{key} must be of type {expected.__name__}, got {raw!r}")
+    return value
+
+
+def build_config(raw: dict[str, Any] | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Config from a nested dict (a parsed YAML file) and `section.key=value` overrides."""
+    merged: dict[str, dict[str, Any]] = {}
+    sections = _section_types()
+    for sec, body in (raw or {}).items():
+        if sec not in sections:
+            raise ConfigError(f"unknown config section {sec!r}{_suggest(sec, list(sections))}")
+        if not isinstance(body, dict):
+            raise ConfigError(f"config section {sec!r} must be a mapping, got {body!r}")
+        merged.setdefault(sec, {}).update(body)
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        if not eq or "." not in key:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        sec, _, name = key.partition(".")
+        if sec not in sections:
+            raise ConfigError(f"unknown config section {sec!r} in {item!r}{_suggest(sec, list(sections))}")
+        merged.setdefault(sec, {})[name] = value
+    built = {}
+    for sec, cls in sections.items():
+        hints = get_type_hints(cls)
+        kwargs = {}
+        for name, value in merged.get(sec, {}).items():
+            if name not in hints:
+                all_keys = [f"{s}.{k}" for s, c in sections.items() for k in get_type_hints(c)]
+                raise ConfigError(f"unknown config key {sec}.{name}{_suggest(f'{sec}.{name}', all_keys)}")
+            kwargs[name] = _coerce(f"{sec}.{name}", value, hints[name])
+        try:
+            built[sec] = cls(**kwargs)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(str(e)) from None
+    return Config(**built)
+
+
+def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    raw: dict = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections")
+    return build_config(raw, overrides)
+
+
+def config_diff(old: dict, new: dict) -> list[str]:
+    """Lines `section.key: old -> new` for every changed value."""
+    out = []
+    for sec in sorted(set(old) | set(new)):
+        a, b = old.get(sec, {}), new.get(sec, {})
+        for key in sorted(set(a) | set(b)):
+            if a.get(key) != b.get(key):
+                out.append(f"{sec}.{key}: {a.get(key)!r} -> {b.get(key)!r}")
+    return out
+
+
+def replace(cfg: Config, **sections: dict) -> Config:
+    """A copy with some fields changed, e.g. replace(cfg, run={'iterations': 3})."""
+    return Config(**{f.name: dataclasses.replace(getattr(cfg, f.name), **sections.get(f.name, {}))
+                     for f in fields(cfg)})

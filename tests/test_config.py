@@ -1,0 +1,61 @@
+import subprocess
+import sys
+
+import pytest
+
+from sealrl.trainer.config import ConfigError, build_config, config_diff, load_config
+
+
+def test_defaults_and_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("actor:\n  lr: 3.0e-5\nrollout:\n  n: 4\n")
+    cfg = load_config(str(f), ["rollout.n=8", "actor.betas=[0.9, 0.95]", "run.name=x1", "run.progress=false"])
+    assert cfg.actor.lr == 3e-5 and cfg.rollout.n == 8           # override beats file
+    assert cfg.actor.betas == (0.9, 0.95) and cfg.run.name == "x1" and cfg.run.progress is False
+    assert cfg.hash() == load_config(str(f), ["rollout.n=8", "actor.betas=[0.9, 0.95]", "run.name=x1",
+                                              "run.progress=false"]).hash()
+    assert cfg.hash() != load_config(str(f), ["rollout.n=7"]).hash()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("actor.lrr=1e-5", "unknown config key actor.lrr; did you mean 'actor.lr'?"),
+    ("actr.lr=1e-5", "unknown config section 'actr' in 'actr.lr=1e-5'; did you mean 'actor'?"),
+    ("rollout.n=abc", "rollout.n must be of type int, got 'abc'"),
+    ("rollout.n=0", "rollout.n must be >= 1, got 0"),
+    ("rollout.temperature=-1", "rollout.temperature must be > 0, got -1.0"),
+    ("algorithm.name=grp", "algorithm.name must be grpo | dr_grpo"),
+    ("run.name=../escape", "run.name must be a plain folder name, got '../escape'"),
+    ("actor.dual_clip=0.5", "actor.dual_clip must be 0 or > 1, got 0.5"),
+    ("nodot", "override 'nodot' must look like section.key=value"),
+])
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(ConfigError) as e:
+        build_config(None, [override])
+    assert message in str(e.value)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "missing.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("actor: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(str(bad))
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("rollout:\n  temprature: 0.7\n")
+    with pytest.raises(ConfigError, match="did you mean 'rollout.temperature'"):
+        load_config(str(typo))
+
+
+def test_config_diff():
+    a, b = build_config(), build_config(None, ["actor.lr=1e-5"])
+    assert config_diff(a.to_dict(), b.to_dict()) == ["actor.lr: 0.0001 -> 1e-05"]
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    for args in (["train", str(tmp_path / "nope.yaml")], ["train", "examples/arith_grpo.yaml", "actor.lrr=1"]):
+        out = subprocess.run([sys.executable, "-m", "sealrl.cli", *args], capture_output=True, text=True)
+        assert out.returncode == 2
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("sealrl: error: "), out.stderr
+        assert "Traceback" not in out.stderr
