@@ -1,0 +1,165 @@
+"""Checkpoint = training position (DESIGN section 6), written atomically.
+
+A checkpoint is a folder `checkpoints/step_N/` holding named parts: safetensors files for every
+tensor (weights, optimizer moments, RNG state) and one `state.json` for everything else. It is
+written into `step_N.tmp/`, every file fsynced, a `COMMITTED` marker holding each file's sha256
+is written last, the folder is renamed into place, and only then does the `latest` pointer move
+(itself replaced atomically). Only folders with a valid marker load; a missing or corrupted part
+refuses to resume and names the part. Nothing is unpickled: no torch.load, no pickle.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+MARKER = "COMMITTED"
+LATEST = "latest"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or loaded; the message names the part."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(root: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]],
+                    state: dict[str, Any], extra_dirs: dict[str, Path] | None = None) -> Path:
+    """Commit checkpoint `step` under `root` (= run/checkpoints).
+
+    tensors: part name -> flat {key: tensor}, saved as `<part>.safetensors`.
+    state: JSON-able training position (versions, sampler, controllers, hashes...).
+    extra_dirs: part name -> a folder already written (e.g. an HF model folder) moved in as is.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    for part, flat in tensors.items():
+        save_file({k: v.detach().cpu().clone().contiguous() for k, v in flat.items()}, str(tmp / f"{part}.safetensors"))
+    (tmp / "state.json").write_text(json.dumps(state, sort_keys=True, indent=1))
+    for part, folder in (extra_dirs or {}).items():
+        shutil.copytree(folder, tmp / part)
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    for p in files:
+        _fsync_file(p)
+    marker = {"step": step, "files": {str(p.relative_to(tmp)): _sha256(p) for p in files}}
+    (tmp / MARKER).write_text(json.dumps(marker, sort_keys=True, indent=1))  # written last
+    _fsync_file(tmp / MARKER)
+    _fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    pointer = root / f"{LATEST}.tmp"
+    pointer.write_text(final.name)
+    _fsync_file(pointer)
+    os.replace(pointer, root / LATEST)
+    _fsync_dir(root)
+    return final
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The folder `latest` points to, or None when no checkpoint was ever committed."""
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text().strip()
+    if not name.startswith("step_") or "/" in name or ".." in name:
+        raise CheckpointError(f"{pointer}: does not name a checkpoint folder ({name!r})")
+    return root / name
+
+
+def verify_checkpoint(folder: Path) -> dict:
+    """Check the marker and every file's checksum; return the marker."""
+    marker_path = folder / MARKER
+    if not marker_path.is_file():
+        raise CheckpointError(f"{folder}: not committed (no {MARKER} marker); refusing to load it")
+    marker = json.loads(marker_path.read_text())
+    for rel, digest in marker["files"].items():
+        path = folder / rel
+        if not path.is_file():
+            raise CheckpointError(f"{folder}: part {rel} is missing")
+        if _sha256(path) != digest:
+            raise CheckpointError(f"{folder}: part {rel} is corrupted (checksum mismatch)")
+    return marker
+
+
+def load_checkpoint(folder: Path, parts: list[str]) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+    """Verified tensors of the named parts and the JSON state."""
+    verify_checkpoint(folder)
+    tensors = {}
+    for part in parts:
+        path = folder / f"{part}.safetensors"
+        if not path.is_file():
+            raise CheckpointError(f"{folder}: part {part} is missing")
+        tensors[part] = load_file(str(path))
+    return tensors, json.loads((folder / "state.json").read_text())
+
+
+# ---- flattening of optimizer and RNG state into tensors + JSON ------------------------------
+
+def optimizer_to_flat(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """Adam-style state: every tensor under `state.<param index>.<name>`, the rest as JSON."""
+    sd = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for idx, entry in sd["state"].items():
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state.{idx}.{name}"] = value
+            else:
+                scalars[f"{idx}.{name}"] = value
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def optimizer_from_flat(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        _, idx, name = key.split(".", 2)
+        state.setdefault(int(idx), {})[name] = value
+    for key, value in meta["scalars"].items():
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = value
+    groups = [dict(g, betas=tuple(g["betas"])) if "betas" in g else g for g in meta["param_groups"]]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def rng_to_flat() -> dict[str, torch.Tensor]:
+    out = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            out[f"torch_cuda_{i}"] = s
+    return out
+
+
+def rng_from_flat(tensors: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda_")]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
