@@ -1,0 +1,294 @@
+"""RewardPool: score samples in worker processes, each request under a deadline.
+
+What it guarantees: `score(samples)` returns one RewardRecord per sample, in input order (joined
+by sample_id), within about `timeout_s` per request after that request was handed to a worker. A
+scorer that raises or returns a non-score gives status error; one that runs past the deadline
+gives status timeout, and its worker is killed with SIGKILL and replaced by a fresh one. Neither
+ever becomes a number.
+
+How: `num_workers` fresh interpreters running sealrl.rewards.worker (never a fork: torch + fork
+is unsafe), each a loop over its own socket pair (multiprocessing.connection). A worker has at
+most one request in flight, so a hang is attributable to that request. A request is one sample,
+or, for a BatchRewardFunction (a reward model), one contiguous chunk of the batch per worker:
+then `timeout_s` bounds the whole chunk and a timeout marks every sample of it.
+
+Why not multiprocessing's "spawn": a spawned child re-imports the driver's __main__ module, and
+with a driver that imports torch that measured ~2 s per worker (forkserver children did the same
+on Python 3.11). Launching `python -c` ourselves, a worker imports only sealrl.rewards.worker,
+the scorer's module and what its `setup()` loads: ~0.05-0.1 s for a rule-based scorer, ~0.5 s
+with math-verify (sympy), seconds for a reward model (torch, transformers, weights).
+
+Start-up: the constructor waits until every worker is ready (bounded by `startup_timeout_s`). A
+replacement for a killed worker boots in the background and takes work once ready, so a batch
+right after a kill may wait for it; deadlines start at dispatch, never during boot. A worker
+that cannot start at all is an infrastructure failure: the pool closes itself and raises.
+
+Inline mode (num_workers=0) calls the scorer in this process with the same validation; there is
+no deadline enforcement (nothing can pre-empt a Python call in-process), so use it only for
+trusted, fast scorers, tests, or a reward model on the driver's device.
+
+Not thread-safe: one driver thread calls `score`. The scorer must pickle by reference (a
+module-level class or function, importable with the driver's sys.path, which workers inherit).
+Workers are killed on close(), when the pool is garbage-collected, and at interpreter exit; if
+the driver is SIGKILLed, idle workers exit on the closed pipe but a hung one lives until its
+scorer returns.
+"""
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import pickle
+import subprocess
+import sys
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Iterable, Sequence
+
+from sealrl.experience.records import RewardRecord, RewardStatus
+from sealrl.rewards.base import (BatchRewardFunction, Outcome, RewardFunction, RewardSample,
+                                 failure_message, score_raw)
+from sealrl.rewards.worker import BOOTSTRAP
+
+_CLOSE_GRACE_S = 1.0  # how long close() lets idle workers exit before SIGKILL
+
+
+@dataclass(eq=False)
+class _Worker:
+    process: subprocess.Popen
+    conn: Connection
+    started: float
+    ready: bool = False
+    request: list[RewardSample] | None = None
+    deadline: float = math.inf
+
+
+class RewardPool:
+    """Scores RewardSamples with `fn` in `num_workers` processes (0 = inline), see module doc."""
+
+    def __init__(self, fn: RewardFunction, num_workers: int = 2, timeout_s: float = 5.0,
+                 startup_timeout_s: float = 60.0) -> None:
+        if not isinstance(fn, RewardFunction):
+            raise TypeError(f"RewardPool: {fn!r} is not a RewardFunction (needs name, version, "
+                            "__call__)")
+        if num_workers < 0:
+            raise ValueError(f"RewardPool.num_workers must be >= 0 (0 = inline), got {num_workers}")
+        if not timeout_s > 0 or not startup_timeout_s > 0:
+            raise ValueError(f"RewardPool: timeout_s and startup_timeout_s must be > 0, got "
+                             f"{timeout_s} and {startup_timeout_s}")
+        self.fn = fn
+        self.num_workers = num_workers
+        self.timeout_s = float(timeout_s)
+        self.startup_timeout_s = float(startup_timeout_s)
+        self._workers: list[_Worker] = []
+        self._closed = False
+        # Kills the workers if the pool is dropped without close(); holds the list, not self.
+        self._finalizer = weakref.finalize(self, _shutdown, self._workers)
+        if num_workers == 0:
+            setup = getattr(fn, "setup", None)
+            if setup is not None:
+                setup()
+            return
+        try:
+            self._payload = pickle.dumps(fn)
+        except Exception as e:
+            raise TypeError(f"RewardPool: scorer {fn.name!r} cannot be pickled for worker "
+                            f"processes ({type(e).__name__}: {e}); define it at module level or "
+                            "use num_workers=0") from e
+        self._workers.extend(self._spawn() for _ in range(num_workers))
+        self._run(deque(), {}, until_ready=True)
+
+    # -- public -------------------------------------------------------------------------------
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the current workers (empty inline or after close)."""
+        return [w.process.pid for w in self._workers]
+
+    def score(self, samples: Iterable[RewardSample]) -> list[RewardRecord]:
+        """One RewardRecord per sample, in input order; sample ids must be unique."""
+        if self._closed:
+            raise RuntimeError("RewardPool.score after close()")
+        samples = list(samples)
+        ids = set()
+        for s in samples:
+            if not isinstance(s, RewardSample):
+                raise TypeError(f"RewardPool.score expects RewardSample, got {type(s).__name__}")
+            if s.sample_id in ids:
+                raise ValueError(f"RewardPool.score: duplicate sample_id {s.sample_id!r}")
+            ids.add(s.sample_id)
+        if not samples:
+            return []
+        if self.num_workers == 0:
+            return [self._record(o) for o in score_raw(self.fn, samples)]
+        results: dict[str, RewardRecord] = {}
+        try:
+            self._run(deque(self._requests(samples)), results, until_ready=False)
+        except BaseException:
+            # e.g. KeyboardInterrupt: requests are still in flight and their late answers must
+            # never be joined into a later batch (a retry reuses the sample id), so stop here.
+            self.close()
+            raise
+        return [results[s.sample_id] for s in samples]
+
+    def close(self) -> None:
+        """Stop every worker (SIGKILL after a short grace); idempotent."""
+        self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> "RewardPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- scheduling ---------------------------------------------------------------------------
+
+    def _requests(self, samples: list[RewardSample]) -> list[list[RewardSample]]:
+        if isinstance(self.fn, BatchRewardFunction):  # one chunk per worker
+            size = -(-len(samples) // self.num_workers)
+            return [samples[i:i + size] for i in range(0, len(samples), size)]
+        return [[s] for s in samples]
+
+    def _run(self, requests: deque[list[RewardSample]], results: dict[str, RewardRecord],
+             until_ready: bool) -> None:
+        """Dispatch `requests` to ready workers and collect until all are answered.
+
+        Waits on every busy or booting worker's pipe, waking at the earliest deadline; a busy
+        worker past its deadline is killed and its request recorded as timeout.
+        """
+        while True:
+            for w in self._workers:
+                if requests and w.ready and w.request is None:
+                    self._dispatch(w, requests)
+            busy = [w for w in self._workers if w.request is not None]
+            booting = [w for w in self._workers if not w.ready]
+            if not busy and not requests and not (until_ready and booting):
+                return
+            deadlines = [w.deadline for w in busy]
+            deadlines += [w.started + self.startup_timeout_s for w in booting]
+            timeout = max(0.0, min(deadlines) - time.monotonic())
+            by_conn = {w.conn: w for w in busy + booting}
+            for conn in wait(list(by_conn), timeout):
+                self._receive(by_conn[conn], requests, results)
+            now = time.monotonic()
+            for w in list(self._workers):
+                if w.request is not None and w.deadline <= now:
+                    detail = (f"no result within the {self.timeout_s:g} s deadline"
+                              f"{_batch_note(w.request)}; worker pid {w.process.pid} killed")
+                    self._fail(w, RewardStatus.TIMEOUT, detail, results)
+                    self._replace(w)
+                elif not w.ready and w.started + self.startup_timeout_s <= now:
+                    self._broken(f"a worker did not start within {self.startup_timeout_s:g} s")
+
+    def _dispatch(self, w: _Worker, requests: deque[list[RewardSample]]) -> None:
+        request = requests.popleft()
+        try:
+            w.conn.send(request)
+        except OSError:  # it died while idle: the request never reached it
+            requests.appendleft(request)
+            self._replace(w)
+            return
+        w.request = request
+        w.deadline = time.monotonic() + self.timeout_s
+
+    def _receive(self, w: _Worker, requests: deque[list[RewardSample]],
+                 results: dict[str, RewardRecord]) -> None:
+        try:
+            kind, payload = w.conn.recv()
+        except (EOFError, OSError):  # the process exited or was killed from outside
+            code = _exit_code(w)
+            if w.request is None and not w.ready:
+                self._broken(f"a worker exited during start-up (exit code {code})")
+            if w.request is not None:
+                detail = (f"worker pid {w.process.pid} died (exit code {code})"
+                          f"{_batch_note(w.request)}")
+                self._fail(w, RewardStatus.ERROR, detail, results)
+            self._replace(w)
+            return
+        if kind == "ready":
+            w.ready = True
+        elif kind == "startup_error":
+            hint = ("; a scorer defined in the driver's __main__ cannot be imported by a worker, "
+                    "move it to a module") if "__main__" in payload else ""
+            self._broken(f"a worker could not start the scorer: {payload}{hint}")
+        else:  # "done"
+            assert w.request is not None and len(payload) == len(w.request)
+            for sample, outcome in zip(w.request, payload):
+                results[sample.sample_id] = self._record(outcome)
+            w.request, w.deadline = None, math.inf
+
+    def _fail(self, w: _Worker, status: RewardStatus, detail: str,
+              results: dict[str, RewardRecord]) -> None:
+        name, version = self.fn.name, self.fn.version
+        for sample in w.request or ():
+            message = failure_message(name, version, sample.sample_id, detail)
+            results[sample.sample_id] = RewardRecord.failure(status, name, message, version)
+        w.request, w.deadline = None, math.inf
+
+    def _record(self, outcome: Outcome) -> RewardRecord:
+        name, version = self.fn.name, self.fn.version
+        if isinstance(outcome, str):
+            return RewardRecord.failure(RewardStatus.ERROR, name, outcome, version)
+        total, components = outcome
+        return RewardRecord.success(total, name, version, components)
+
+    def _spawn(self) -> _Worker:
+        parent_conn, child_conn = mp.Pipe(duplex=True)  # a socketpair
+        fd = child_conn.fileno()
+        process = subprocess.Popen([sys.executable, "-c", BOOTSTRAP, str(fd), json.dumps(sys.path)],
+                                   pass_fds=(fd,), stdin=subprocess.DEVNULL)
+        child_conn.close()  # only the child holds its end: its death reads as EOF here
+        w = _Worker(process, parent_conn, time.monotonic())
+        try:
+            parent_conn.send(self._payload)  # read by the child once it has booted
+        except OSError:
+            pass  # it died already; _receive reports the EOF as a start-up failure
+        return w
+
+    def _replace(self, w: _Worker) -> None:
+        _kill(w)
+        self._workers[self._workers.index(w)] = self._spawn()
+
+    def _broken(self, reason: str) -> None:
+        self.close()
+        raise RuntimeError(f"RewardPool for scorer {self.fn.name!r} is broken and closed: {reason}")
+
+
+def _batch_note(request: Sequence[RewardSample]) -> str:
+    return f" (request of {len(request)} samples)" if len(request) > 1 else ""
+
+
+def _exit_code(w: _Worker) -> int | None:
+    try:
+        return w.process.wait(1.0)
+    except subprocess.TimeoutExpired:  # closed its end but still running
+        return None
+
+
+def _kill(w: _Worker) -> None:
+    w.process.kill()  # SIGKILL: a hung C extension ignores anything softer
+    w.process.wait()  # reap: no zombie left
+    w.conn.close()
+
+
+def _shutdown(workers: list[_Worker]) -> None:
+    """Ask idle workers to exit, SIGKILL whatever is left after a grace period, reap all."""
+    for w in workers:
+        if w.ready and w.request is None:
+            try:
+                w.conn.send(None)
+            except OSError:
+                pass
+    end = time.monotonic() + _CLOSE_GRACE_S
+    for w in workers:
+        if w.ready and w.request is None:
+            try:
+                w.process.wait(max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        _kill(w)
+    workers.clear()
