@@ -1,0 +1,104 @@
+"""Forward backends of the rollout engine: the lean Llama/Qwen2 path and the plain HF fallback.
+
+Both hold the weights of exactly one policy version and expose the same three calls:
+
+    prefill(ids (G,P), positions (G,P), valid (G,P), max_len) -> (logits (G,V), cache)
+    select(cache, rows (B,)) -> cache          fan-out (rows repeat) or compaction (rows drop)
+    decode(cache, ids (B,), positions (B,), valid (B, L+1) or None) -> logits (B,V)
+
+`valid` marks real (non-padding) key columns; None in decode means no column is padding.
+A cache belongs to one generate call of one backend, so it can never outlive the version that
+filled it.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import Tensor, nn
+from transformers import DynamicCache, PreTrainedModel
+
+from sealrl.rollout.lean import KVCache, LeanCausalLM, lean_unsupported_reason
+
+
+def weightless_template(model: PreTrainedModel) -> PreTrainedModel:
+    """A copy of `model` whose state-dict tensors live on the meta device.
+
+    It keeps the structure and the non-persistent buffers (e.g. RoPE frequencies) the HF
+    forward needs, and costs no memory per weight; each version's weights are assigned into
+    a fresh copy of it.
+    """
+    template = copy.deepcopy(model).cpu().eval()
+    for module in template.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=False)
+        for name, b in list(module._buffers.items()):
+            if b is not None and name not in module._non_persistent_buffers_set:
+                module._buffers[name] = b.to("meta")
+    return template
+
+
+class LeanBackend:
+    """Static-cache prefill/decode on plain tensors (see lean.py)."""
+
+    def __init__(self, weights: dict[str, Tensor], template: PreTrainedModel,
+                 device: torch.device) -> None:
+        self.lm = LeanCausalLM(weights, template.config, template.base_model.rotary_emb, device)
+
+    def prefill(self, ids: Tensor, positions: Tensor, valid: Tensor, max_len: int,
+                ) -> tuple[Tensor, KVCache]:
+        G, P = ids.shape
+        cache = self.lm.new_cache(G, max_len)
+        if bool(valid.all()):  # no padding: SDPA's built-in causal mask, no mask tensor
+            return self.lm.forward(ids, positions, cache, None, causal=True), cache
+        causal = torch.ones(P, P, dtype=torch.bool, device=ids.device).tril()
+        eye = torch.eye(P, dtype=torch.bool, device=ids.device)
+        # Padding queries attend to themselves so that no softmax row is empty (no NaN); their
+        # outputs are never read because real tokens never attend to padding keys.
+        mask = (causal & valid[:, None, :]) | eye  # (G, P, P)
+        return self.lm.forward(ids, positions, cache, mask[:, None]), cache
+
+    def select(self, cache: KVCache, rows: Tensor) -> KVCache:
+        return cache.select(rows)
+
+    def decode(self, cache: KVCache, ids: Tensor, positions: Tensor, valid: Tensor | None,
+               ) -> Tensor:
+        mask = None if valid is None else valid[:, None, None, :]  # (B, 1, 1, L+1)
+        return self.lm.forward(ids[:, None], positions[:, None], cache, mask)
+
+
+class HFBackend:
+    """The HF module's own forward with a DynamicCache; for architectures lean.py lacks."""
+
+    def __init__(self, weights: dict[str, Tensor], template: PreTrainedModel,
+                 device: torch.device) -> None:
+        model = copy.deepcopy(template)
+        model.load_state_dict(weights, strict=True, assign=True)
+        self.model = model.to(device).eval()
+
+    def prefill(self, ids: Tensor, positions: Tensor, valid: Tensor, max_len: int,
+                ) -> tuple[Tensor, DynamicCache]:
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=valid.long(), position_ids=positions,
+                         cache=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1].float(), cache
+
+    def select(self, cache: DynamicCache, rows: Tensor) -> DynamicCache:
+        cache.batch_select_indices(rows)
+        return cache
+
+    def decode(self, cache: DynamicCache, ids: Tensor, positions: Tensor, valid: Tensor | None,
+               ) -> Tensor:
+        mask = None if valid is None else valid.long()
+        out = self.model(input_ids=ids[:, None], attention_mask=mask,
+                         position_ids=positions[:, None], cache=cache, use_cache=True)
+        return out.logits[:, -1].float()
+
+
+def make_backend(weights: dict[str, Tensor], template: PreTrainedModel, device: torch.device,
+                 prefer_lean: bool = True) -> LeanBackend | HFBackend:
+    """The lean backend when it supports the architecture, else the HF one."""
+    if prefer_lean and lean_unsupported_reason(template.config) is None:
+        return LeanBackend(weights, template, device)
+    return HFBackend(weights, template, device)
