@@ -1,0 +1,162 @@
+"""Actor role: trainable weights, optimizer and learning-rate schedule; teacher-forced old
+log-probs; the policy loss, backward and optimizer steps. It never samples."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sealrl import algos
+from sealrl.experience import ExperienceBatch, PolicyVersion, Role
+from sealrl.models.hf import model_config_hash
+from sealrl.models.logprobs import response_log_probs
+from sealrl.roles.common import batch_log_probs, pad_width
+from sealrl.sync.manifest import WeightManifest, build_manifest
+from sealrl.trainer.config import ActorConfig, AlgorithmConfig
+
+
+def lr_at(step: int, base: float, warmup: int, schedule: str, total: int, min_ratio: float) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warm-up, then constant, cosine
+    or linear decay to `min_ratio * base` at step `total`. A pure function of the step, so a
+    resumed run needs no scheduler state."""
+    if warmup and step < warmup:
+        return base * (step + 1) / warmup
+    if schedule == "constant" or total <= warmup:
+        return base
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    shape = 0.5 * (1 + math.cos(math.pi * frac)) if schedule == "cosine" else 1 - frac
+    return base * (min_ratio + (1 - min_ratio) * shape)
+
+
+class ActorWorker:
+    def __init__(self, model, cfg: ActorConfig, algo: AlgorithmConfig, run_id: str,
+                 tokenizer_hash: str, temperature: float, pad_id: int, total_steps: int,
+                 horizon: int):
+        self.model, self.cfg, self.algo = model, cfg, algo
+        self.run_id, self.tokenizer_hash = run_id, tokenizer_hash
+        self.temperature, self.pad_id, self.total_steps, self.horizon = temperature, pad_id, total_steps, horizon
+        self.config_hash = model_config_hash(model.config)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
+                                           weight_decay=cfg.weight_decay)
+        self.step = 0           # committed optimizer steps
+        self.attempt = 0        # tries of the current update (a rolled-back update retries)
+        self.skipped_steps = 0  # optimizer steps skipped for a non-finite gradient
+
+    # ---- versions and export ------------------------------------------------------------
+    def export(self) -> tuple[dict[str, torch.Tensor], WeightManifest]:
+        """EXPORTING(v): a detached CPU copy of the weights and their manifest."""
+        state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        manifest = build_manifest(state, self.run_id, self.step, self.attempt,
+                                  self.tokenizer_hash, self.config_hash)
+        return state, manifest
+
+    # ---- old log-probs ------------------------------------------------------------------
+    def compute_old_log_probs(self, batch: ExperienceBatch, version: PolicyVersion) -> None:
+        """Recompute mode: one actor forward on the sealed facts before any update. Written
+        once into `old_log_probs` and never overwritten across epochs and minibatches."""
+        self.model.eval()
+        lp, _ = batch_log_probs(self.model, batch, self.temperature, self.pad_id, self.cfg.micro_batch_size)
+        batch.put("old_log_probs", lp, Role.ACTOR, version.id)
+
+    # ---- update -------------------------------------------------------------------------
+    def update(self, batch: ExperienceBatch, version: PolicyVersion, iteration: int, seed: int) -> dict:
+        """UPDATING_FROM(v): minibatch optimizer steps over `ppo_epochs` passes."""
+        cfg, algo = self.cfg, self.algo
+        old = batch.get("old_log_probs", version=version.id)
+        adv = batch.get("advantages")
+        mask = self._loss_mask(batch, old)
+        weights = self._is_weights(batch, old)
+        ref = batch.get("ref_log_probs") if algo.kl_coef > 0 and algo.kl_in == "loss" else None
+        b = len(batch)
+        mini = cfg.mini_batch_size or b
+        gen = torch.Generator().manual_seed(seed)
+        sums: dict[str, list[float]] = {}
+        self.model.train()
+        for epoch in range(cfg.ppo_epochs):
+            order = torch.randperm(b, generator=gen) if (cfg.ppo_epochs > 1 or mini < b) else torch.arange(b)
+            for start in range(0, b, mini):
+                idx = order[start:start + mini]
+                stats = self._optimizer_step(batch, idx, old, adv, mask, ref, weights)
+                for k, v in stats.items():
+                    sums.setdefault(k, []).append(v)
+        self.model.eval()
+        out = {f"actor/{k}": sum(v) / len(v) for k, v in sums.items()}
+        out["actor/skipped_steps"] = float(self.skipped_steps)
+        return out
+
+    def _optimizer_step(self, batch, idx, old, adv, mask, ref, weights) -> dict[str, float]:
+        cfg, algo = self.cfg, self.algo
+        norm = algos.make_normaliser(mask[idx], cfg.loss_agg, horizon=self.horizon)
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {}
+        for start in range(0, len(idx), cfg.micro_batch_size):
+            mi = idx[start:start + cfg.micro_batch_size]
+            samples = [batch.samples[i] for i in mi.tolist()]
+            lp, ent, _ = response_log_probs(self.model, [list(s.prompt_ids) for s in samples],
+                                            [list(s.response_ids) for s in samples],
+                                            temperature=self.temperature, pad_id=self.pad_id,
+                                            with_entropy=True)
+            width = batch.num_response_tokens
+            lp, ent, m = pad_width(lp, width), pad_width(ent, width), mask[mi]
+            loss, metrics = self._policy_loss(lp, old[mi], adv[mi], m, norm,
+                                              None if weights is None else weights[mi])
+            if ref is not None:
+                kl = algos.kl_penalty(lp, ref[mi], algo.kl_estimator)
+                kl_loss = algos.aggregate(kl, m, norm)
+                loss = loss + algo.kl_coef * kl_loss
+                metrics["kl_loss"] = kl_loss.detach()
+            ent_term = algos.aggregate(ent, m, norm)
+            if cfg.entropy_coef:
+                loss = loss - cfg.entropy_coef * ent_term
+            loss.backward()
+            # Per-micro-batch terms are already shares of the global normaliser: they add up.
+            totals["pg_loss"] = totals.get("pg_loss", 0.0) + float(loss.detach())
+            totals["entropy"] = totals.get("entropy", 0.0) + float(ent_term.detach())
+            share = float(m.sum()) / max(1.0, float(mask[idx].sum()))
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + float(v) * share
+        clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_steps += 1
+        else:
+            lr = lr_at(self.step, cfg.lr, cfg.warmup_steps, cfg.lr_schedule, self.total_steps, cfg.min_lr_ratio)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            self.step += 1
+            totals["lr"] = lr
+        totals["grad_norm"] = grad_norm
+        return totals
+
+    def _policy_loss(self, lp, old, adv, mask, norm, weights):
+        cfg = self.cfg
+        if cfg.loss == "ppo":
+            return algos.ppo_clip_loss(lp, old, adv, mask, norm, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                       dual_clip=cfg.dual_clip or None, is_weights=weights)
+        if cfg.loss == "gspo":
+            return algos.gspo_loss(lp, old, adv, mask, norm, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                   is_weights=weights)
+        return algos.policy_gradient_loss(lp, adv, mask, norm, is_weights=weights)
+
+    def _loss_mask(self, batch: ExperienceBatch, old: torch.Tensor) -> torch.Tensor:
+        """Action tokens that take part in the loss: the response mask, minus truncated
+        responses (overlong=mask) and rejected tokens/sequences (rollout correction)."""
+        mask = batch.get("response_mask").clone()
+        if self.algo.overlong == "mask":
+            truncated = torch.tensor([s.stop_reason.truncated for s in batch.samples])
+            mask &= ~truncated[:, None]
+        if self.algo.correction.endswith("_reject"):
+            level = self.algo.correction.split("_")[0].replace("seq", "sequence")
+            mask &= algos.rejection_mask(old, batch.get("rollout_log_probs"), mask, level=level,
+                                         kind="k3", threshold=self.algo.correction_threshold)
+        return mask
+
+    def _is_weights(self, batch: ExperienceBatch, old: torch.Tensor) -> torch.Tensor | None:
+        """Truncated importance weights old/rollout (train/inference mismatch correction)."""
+        if not self.algo.correction.endswith("_is"):
+            return None
+        level = self.algo.correction.split("_")[0].replace("seq", "sequence")
+        return algos.importance_weights(old, batch.get("rollout_log_probs"), batch.get("response_mask"),
+                                        level=level, cap=self.algo.correction_threshold)

@@ -1,0 +1,34 @@
+"""Plumbing the roles share: teacher-forced log-probs of a batch, in micro-batches."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sealrl.experience import ExperienceBatch
+from sealrl.models.logprobs import response_log_probs
+
+
+def pad_width(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Right-pad (B, r) to (B, width) with zeros (padding never contributes)."""
+    return F.pad(x, (0, width - x.shape[1])) if x.shape[1] < width else x
+
+
+def batch_log_probs(model, batch: ExperienceBatch, temperature: float, pad_id: int,
+                    micro_batch_size: int, with_entropy: bool = False):
+    """(B, R) log-probs (and entropy) of the batch's response tokens under `model`, no grad.
+    Positions past each response are exactly 0."""
+    width, out_lp, out_ent = batch.num_response_tokens, [], []
+    with torch.no_grad():
+        for start in range(0, len(batch), micro_batch_size):
+            part = batch.samples[start:start + micro_batch_size]
+            lp, ent, _ = response_log_probs(model, [list(s.prompt_ids) for s in part],
+                                            [list(s.response_ids) for s in part],
+                                            temperature=temperature, pad_id=pad_id,
+                                            with_entropy=with_entropy)
+            out_lp.append(pad_width(lp.float(), width))
+            if with_entropy:
+                out_ent.append(pad_width(ent.float(), width))
+    mask = batch.token_mask()
+    lp = torch.cat(out_lp).cpu().masked_fill(~mask, 0.0) if out_lp else torch.zeros(0, width)
+    ent = torch.cat(out_ent).cpu().masked_fill(~mask, 0.0) if out_ent else None
+    return lp, ent

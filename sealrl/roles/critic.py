@@ -1,0 +1,72 @@
+"""Critic role (PPO): values V(s_t) of the response states, the value loss and its own
+optimizer. Not a reward model: it predicts returns, it does not score responses."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sealrl import algos
+from sealrl.experience import ExperienceBatch, Role
+from sealrl.models.critic import CriticModel
+from sealrl.roles.actor import lr_at
+from sealrl.roles.common import pad_width
+from sealrl.trainer.config import CriticConfig
+
+
+class CriticWorker:
+    def __init__(self, model: CriticModel, cfg: CriticConfig, pad_id: int, micro_batch_size: int,
+                 loss_agg: str, horizon: int):
+        self.model, self.cfg, self.pad_id = model, cfg, pad_id
+        self.micro, self.loss_agg, self.horizon = micro_batch_size, loss_agg, horizon
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.step = 0
+
+    @property
+    def version(self) -> str:
+        return f"critic@{self.step}"
+
+    def _values(self, samples):
+        return self.model.values([list(s.prompt_ids) for s in samples],
+                                 [list(s.response_ids) for s in samples], pad_id=self.pad_id)
+
+    def compute(self, batch: ExperienceBatch) -> None:
+        """Values of every response state, and of the state after the last token."""
+        width, vals, lasts = batch.num_response_tokens, [], []
+        self.model.eval()
+        with torch.no_grad():
+            for start in range(0, len(batch), self.micro):
+                v, last, _ = self._values(batch.samples[start:start + self.micro])
+                vals.append(pad_width(v.float(), width))
+                lasts.append(last.float())
+        values = torch.cat(vals).cpu().masked_fill(~batch.token_mask(), 0.0)
+        batch.put("values", values, Role.CRITIC, self.version)
+        batch.put("last_values", torch.cat(lasts).cpu(), Role.CRITIC, self.version)
+
+    def update(self, batch: ExperienceBatch) -> dict[str, float]:
+        """One pass of value-loss steps over the whole batch (global normaliser)."""
+        mask, returns = batch.get("response_mask"), batch.get("returns")
+        old_values = batch.get("values")
+        norm = algos.make_normaliser(mask, self.loss_agg, horizon=self.horizon)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total, clip_frac = 0.0, 0.0
+        for start in range(0, len(batch), self.micro):
+            sl = slice(start, start + self.micro)
+            v, _, _ = self._values(batch.samples[sl])
+            v = pad_width(v, batch.num_response_tokens)
+            loss, metrics = algos.value_loss(v, old_values[sl], returns[sl], mask[sl], norm,
+                                             clip_eps=self.cfg.value_clip or None)
+            loss.backward()
+            total += float(loss.detach())
+            clip_frac += float(metrics.get("value_clip_frac", 0.0)) * float(mask[sl].sum()) / max(1.0, float(mask.sum()))
+        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        if math.isfinite(grad_norm):
+            lr = lr_at(self.step, self.cfg.lr, self.cfg.warmup_steps, "constant", 0, 0.0)
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+            self.optimizer.step()
+            self.step += 1
+        self.model.eval()
+        return {"critic/value_loss": total, "critic/grad_norm": grad_norm, "critic/clip_frac": clip_frac}

@@ -1,0 +1,31 @@
+"""Reward role: RewardFunction(sample) -> RewardRecord, in a pool of scorer processes with a
+per-call deadline. Its own errors become status error/timeout records, never a score."""
+from __future__ import annotations
+
+import json
+
+from sealrl.experience import RewardRecord
+from sealrl.rewards.base import RewardSample
+from sealrl.rewards.pool import RewardPool
+from sealrl.rollout.engine import RolloutSample
+
+
+class RewardWorker:
+    def __init__(self, fn, num_workers: int, timeout_s: float):
+        self.pool = RewardPool(fn, num_workers=num_workers, timeout_s=timeout_s)
+
+    def score(self, items: list[tuple[RolloutSample, str, str, object, str]]) -> dict[str, RewardRecord]:
+        """items: (sample, prompt text, response text, ground truth, data source)."""
+        samples = [RewardSample(sample_id=s.sample_id, prompt=prompt, response=response,
+                                response_ids=tuple(s.response_ids), ground_truth=truth,
+                                data_source=source, metadata={})
+                   for s, prompt, response, truth, source in items]
+        records = self.pool.score(samples)
+        return {s.sample_id: r for s, r in zip(samples, records)}
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def ground_truth_text(truth) -> str:
+    return json.dumps(truth, sort_keys=True)

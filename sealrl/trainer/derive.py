@@ -1,0 +1,84 @@
+"""Derived tensors of a sealed batch (driver side): scores after the reward-error policy,
+shaped token rewards, advantages, returns. A pure function of the sealed facts and the
+algorithm hyper-parameters, so `recompute` can redo it offline without a new rollout."""
+from __future__ import annotations
+
+import torch
+
+from sealrl import algos
+from sealrl.experience import ExperienceBatch, Role
+from sealrl.trainer.config import AlgorithmConfig
+
+
+def group_index(group_ids: list[str]) -> torch.Tensor:
+    """(B,) integer group id per sample, in order of first appearance (never by position)."""
+    ids: dict[str, int] = {}
+    return torch.tensor([ids.setdefault(g, len(ids)) for g in group_ids], dtype=torch.long)
+
+
+def sequence_scores(batch: ExperienceBatch, algo: AlgorithmConfig, max_new_tokens: int) -> torch.Tensor:
+    """(B,) training score: the ok reward total, or the explicit penalty for an errored
+    record (only reachable with reward_error=penalty), plus the soft overlong penalty (DAPO)."""
+    records = batch.get("reward_records", producer=Role.REWARD)
+    scores = torch.tensor([r.total if r.ok else algo.reward_error_penalty for r in records],
+                          dtype=torch.float32)
+    if algo.overlong == "soft":
+        lengths = torch.tensor([len(s.response_ids) for s in batch.samples], dtype=torch.float32)
+        start = max_new_tokens - algo.overlong_buffer
+        over = ((lengths - start) / max(1, algo.overlong_buffer)).clamp(min=0.0, max=1.0)
+        scores = scores - algo.overlong_penalty * over
+    return scores
+
+
+def derive(batch: ExperienceBatch, algo: AlgorithmConfig, beta: float, max_new_tokens: int,
+           version: str) -> dict[str, float]:
+    """Write scores, token_rewards, advantages (and returns, PPO) into the batch; return metrics.
+
+    KL in the reward uses the sampling policy's log-probs (old) against the reference. For
+    outcome-level algorithms (GRPO, RLOO, REINFORCE++-baseline) the KL enters as
+    score - beta * sum_t kl_t, since their advantage is one number per sequence."""
+    mask = batch.get("response_mask")
+    scores = sequence_scores(batch, algo, max_new_tokens)
+    kl = torch.zeros_like(batch.get("rollout_log_probs"))
+    if beta > 0 and algo.kl_in == "reward":
+        kl = algos.kl_penalty(batch.get("old_log_probs"), batch.get("ref_log_probs"),
+                              algo.kl_estimator.rstrip("+")).masked_fill(~mask, 0.0)
+    token_rewards = algos.shaped_token_rewards(scores, kl, mask, beta if algo.kl_in == "reward" else 0.0)
+    seq_scores = scores - (beta * (kl * mask).sum(-1) if algo.kl_in == "reward" else 0.0)
+    gidx = group_index(batch.group_ids)
+    zero_var = torch.zeros(len(batch), dtype=torch.bool)
+    returns = None
+    name = algo.name
+    if name == "ppo":
+        terminated = torch.tensor([s.stop_reason.terminated for s in batch.samples])
+        adv, returns = algos.gae(token_rewards, batch.get("values"), mask, terminated,
+                                 batch.get("last_values"), algo.gamma, algo.lam)
+    elif name in ("grpo", "dr_grpo"):
+        a, zero_var = algos.grpo_advantages(seq_scores, gidx, norm_by_std=(name == "grpo"))
+        adv = algos.broadcast_to_tokens(a, mask)
+    elif name == "rloo":
+        adv = algos.broadcast_to_tokens(algos.rloo_advantages(seq_scores, gidx), mask)
+    elif name == "reinforce_pp":
+        adv = algos.reinforce_pp_advantages(token_rewards, mask, gamma=algo.gamma)
+    else:  # reinforce_pp_baseline
+        # KL enters through token rewards that hold only the KL part (the score gets the baseline).
+        adv = algos.reinforce_pp_baseline_advantages(scores, gidx, mask, token_rewards=-beta * kl,
+                                                     gamma=algo.gamma)
+    if algo.whiten_advantages:
+        adv = algos.whiten(adv, mask)
+    adv = adv.masked_fill(~mask, 0.0).float()
+    batch.put("scores", scores, Role.DRIVER, version)
+    batch.put("token_rewards", token_rewards.masked_fill(~mask, 0.0).float(), Role.DRIVER, version)
+    batch.put("advantages", adv, Role.DRIVER, version)
+    batch.put("zero_variance", zero_var.bool(), Role.DRIVER, version)
+    if returns is not None:
+        batch.put("returns", returns.masked_fill(~mask, 0.0).float(), Role.DRIVER, version)
+    valid = mask.sum().clamp(min=1)
+    return {
+        "reward/score_mean": float(scores.mean()) if len(scores) else 0.0,
+        "reward/score_std": float(scores.std()) if len(scores) > 1 else 0.0,
+        "adv/mean": float((adv * mask).sum() / valid),
+        "adv/std": float(((adv - (adv * mask).sum() / valid) ** 2 * mask).sum().div(valid).sqrt()),
+        "adv/zero_variance_frac": float(zero_var.float().mean()) if len(zero_var) else 0.0,
+        "kl/reward_kl": float((kl * mask).sum() / valid),
+    }

@@ -1,0 +1,215 @@
+"""The driver: one synchronous RL iteration after another, as the state machine of DESIGN
+section 1. Setup lives in setup.py, saving/restoring the position in position.py; this file is
+the loop.
+
+    ACTOR_COMMITTED(v) -> EXPORTING(v) -> ROLLOUT_LOADING(v) -> ROLLOUT_READY(v)
+      -> GENERATING(v) -> EXPERIENCE_SEALED(v) -> UPDATING_FROM(v) -> ACTOR_COMMITTED(v+1)
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from sealrl import algos
+from sealrl.experience import ExperienceBatch, Role, SampleMeta, SamplingContract, pad_token_rows
+from sealrl.experience.store import write_iteration
+from sealrl.models.hf import save_causal_lm
+from sealrl.obs.metrics import MetricsLogger, truncate_metrics
+from sealrl.obs.progress import Progress
+from sealrl.trainer import setup
+from sealrl.trainer.config import Config
+from sealrl.trainer.derive import derive
+from sealrl.trainer.evaluate import evaluate
+from sealrl.trainer.ledger import new_iteration
+from sealrl.trainer.position import restore_position, save_position
+from sealrl.trainer.state import Phase, StateMachine
+
+
+def train(cfg: Config) -> dict:
+    """Run (or resume) a training run; returns the summary also written to summary.json."""
+    setup.make_deterministic(cfg)
+    run_dir = setup.open_run_dir(cfg)
+    run_id = cfg.run.name
+    roles = setup.build_roles(cfg, run_id)
+    data = setup.build_data(cfg, roles.tokenizer)
+    sampler = setup.build_sampler(cfg, data)
+    kl_ctl = (algos.AdaptiveKLController(cfg.algorithm.kl_coef, cfg.algorithm.kl_target, cfg.algorithm.kl_horizon)
+              if cfg.algorithm.kl_target > 0 else algos.FixedKLController(cfg.algorithm.kl_coef))
+    contract = SamplingContract(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_new_tokens,
+                                stop_token_ids=(roles.tokenizer.eos_token_id,), n=cfg.rollout.n,
+                                seed=cfg.run.seed)
+    resumed = restore_position(run_dir, cfg, roles, sampler, kl_ctl, data.hash) if cfg.run.resume == "auto" else None
+    if resumed is None and (run_dir / "checkpoints" / "latest").exists():
+        raise setup.ConfigError(f"run folder {run_dir} already has checkpoints; use run.resume=auto or another run.name")
+    start = resumed["iteration"] if resumed else 0
+    truncate_metrics(run_dir, start)
+    setup.write_run_files(run_dir, cfg, {"run": cfg.run.seed}, {"data_hash": data.hash,
+                                                                 "num_train_prompts": len(data.train),
+                                                                 "dropped_train_rows": data.train.num_dropped})
+    sm = StateMachine(run_dir / "trace.json")
+    logger = MetricsLogger(run_dir)
+    eval_kw = dict(reward_fn=setup.build_reward_fn(cfg), tokenizer=roles.tokenizer,
+                   max_new_tokens=cfg.rollout.max_new_tokens, num=cfg.eval.num, pass_k=cfg.eval.pass_k,
+                   temperature=cfg.eval.temperature, seed=cfg.run.seed)
+    version = sync_weights(roles, sm)
+    before = resumed["accuracy_before"] if resumed else evaluate(roles.rollout, version, data.eval, **eval_kw)
+    wall = resumed["train_wall_s"] if resumed else 0.0
+    progress = Progress(cfg.run.iterations, start, enabled=cfg.run.progress)
+    it = start
+    for it in range(start, cfg.run.iterations):
+        t0 = time.perf_counter()
+        metrics = run_iteration(it, cfg, roles, data, sampler, kl_ctl, contract, sm, run_dir, version)
+        version = sync_weights(roles, sm)  # ACTOR_COMMITTED(v+1) -> ... -> ROLLOUT_READY(v+1)
+        if cfg.run.eval_every and (it + 1) % cfg.run.eval_every == 0 and it + 1 < cfg.run.iterations:
+            metrics.update(evaluate(roles.rollout, version, data.eval, **eval_kw))
+        wall += time.perf_counter() - t0
+        metrics["time/iteration_s"] = time.perf_counter() - t0
+        metrics["time/train_wall_s"] = wall
+        logger.log(it, metrics)
+        progress.update(it, metrics)
+        last = it + 1 == cfg.run.iterations or (cfg.run.max_wall_s and wall >= cfg.run.max_wall_s)
+        if last or (cfg.run.checkpoint_every and (it + 1) % cfg.run.checkpoint_every == 0):
+            with sm.stage("checkpoint", "driver"):
+                save_position(run_dir, it + 1, cfg, roles, sampler, kl_ctl, data.hash,
+                              {"accuracy_before": before, "train_wall_s": wall})
+        sm.flush()
+        if last:
+            break
+    progress.close()
+    after = evaluate(roles.rollout, version, data.eval, **eval_kw)
+    save_causal_lm(roles.actor.model, roles.tokenizer, run_dir / "model")
+    summary = {"accuracy_before": before.get("eval/accuracy"), "accuracy_after": after.get("eval/accuracy"),
+               "wall_s": round(wall, 2), "iterations": it + 1, "algorithm": cfg.algorithm.name,
+               "eval_before": before, "eval_after": after, "policy_version": version.id,
+               "optimizer_steps": roles.actor.step, "config_hash": cfg.hash()}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    logger.close()
+    roles.close()
+    return summary
+
+
+def sync_weights(roles, sm: StateMachine):
+    """EXPORTING(v) -> ROLLOUT_LOADING(v) -> ROLLOUT_READY(v): the rollout stages the actor's
+    weights, verifies every checksum of the manifest, then switches its active version."""
+    with sm.stage("weight_sync", "rollout"):
+        state, manifest = roles.actor.export()
+        sm.to(Phase.EXPORTING, manifest.version.id)
+        sm.to(Phase.ROLLOUT_LOADING, manifest.version.id)
+        version = roles.rollout.load(state, manifest)
+        sm.to(Phase.ROLLOUT_READY, version.id)
+    return version
+
+
+def run_iteration(it, cfg: Config, roles, data, sampler, kl_ctl, contract, sm: StateMachine, run_dir, version) -> dict:
+    sm.start_iteration(it)
+    prompts = [data.train[i] for i in sampler.next_batch()]
+    by_id = {p.prompt_id: p for p in prompts}
+    ledger, requests = new_iteration(it, cfg.rollout.n, cfg.rollout.max_retries, cfg.run.name, cfg.run.seed,
+                                     [(p.prompt_id, p.token_ids) for p in prompts])
+    # GENERATING(v): every sample comes from the active version v, and only from it.
+    sm.to(Phase.GENERATING, version.id)
+    with sm.stage("generate", "rollout"):
+        gen = lambda reqs: roles.rollout.generate(reqs, contract, version)  # noqa: E731
+        groups = ledger.complete(gen(list(requests.values())), gen, requests)
+    decode = lambda s: roles.tokenizer.decode(list(s.response_ids), skip_special_tokens=True)  # noqa: E731
+    prompt_of = lambda g: by_id[ledger.groups[g].prompt_id]  # noqa: E731
+    with sm.stage("reward", "reward"):
+        items = {s.sample_id: (s, prompt_of(g).text, decode(s), prompt_of(g).ground_truth, prompt_of(g).data_source)
+                 for g, ss in groups.items() for s in ss}
+        records = roles.reward.score(list(items.values()))
+        kept = ledger.apply_reward_policy(groups, records, cfg.algorithm.reward_error,
+                                          lambda ids: roles.reward.score([items[i] for i in ids]))
+    ledger.commit(list(kept))
+    metrics = {**ledger.counts(), **rollout_metrics(groups, records, decode)}
+    if not kept:
+        raise RuntimeError(f"iteration {it}: every group was dropped ({ledger.rows()[0]['reason']})")
+    batch = build_batch(cfg, it, kept, records, prompt_of, decode, contract, version)
+    if roles.reference is not None:
+        with sm.stage("reference", "reference"):
+            roles.reference.compute(batch)
+    if roles.critic is not None:
+        with sm.stage("critic_values", "critic"):
+            roles.critic.compute(batch)
+    with sm.stage("old_log_prob", "actor"):
+        if cfg.algorithm.old_log_prob == "recompute":
+            roles.actor.compute_old_log_probs(batch, version)
+        else:  # bypass: the behaviour log-probs are the proximal anchor
+            batch.put("old_log_probs", batch.get("rollout_log_probs").clone(), Role.ROLLOUT, version.id)
+    batch.seal(required=("response_mask", "rollout_log_probs", "reward_records", "old_log_probs"))
+    sm.to(Phase.EXPERIENCE_SEALED, version.id)
+    # UPDATING_FROM(v): advantages on the driver, then critic and actor updates.
+    sm.to(Phase.UPDATING_FROM, version.id)
+    with sm.stage("advantage", "driver"):
+        metrics.update(derive(batch, cfg.algorithm, kl_ctl.beta, cfg.rollout.max_new_tokens, f"{cfg.algorithm.name}@{it}"))
+        metrics.update(log_prob_metrics(batch, roles))
+    if roles.critic is not None:
+        with sm.stage("critic_update", "critic"):
+            metrics.update(roles.critic.update(batch))
+    with sm.stage("actor_update", "actor"):
+        metrics.update(roles.actor.update(batch, version, it, seed=cfg.run.seed * 100003 + it))
+    if cfg.algorithm.kl_target > 0:
+        kl_ctl.update(metrics.get("kl/ref_kl", 0.0), len(batch))
+    metrics["kl/beta"] = kl_ctl.beta
+    sm.to(Phase.ACTOR_COMMITTED, f"step{roles.actor.step}")
+    write_iteration(run_dir / "experience", batch, consumed_step=roles.actor.step,
+                    extra={"old_log_prob_mode": [cfg.algorithm.old_log_prob] * len(batch),
+                           "reference_version": [roles.reference.version.id if roles.reference else ""] * len(batch)})
+    with open(run_dir / "ledger.jsonl", "a") as f:
+        for row in ledger.rows():
+            f.write(json.dumps(row) + "\n")
+    metrics.update({f"time/{k}_s": v for k, v in sm.stage_seconds.items()})
+    return metrics
+
+
+def build_batch(cfg, it, kept, records, prompt_of, decode, contract, version) -> ExperienceBatch:
+    """EXPERIENCE facts from complete groups: identity, tokens, stop reasons, rollout log-probs."""
+    samples = [s for g in kept for s in kept[g]]
+    metas = [SampleMeta(sample_id=s.sample_id, group_id=s.group_id, prompt_id=prompt_of(s.group_id).prompt_id,
+                        prompt_ids=tuple(s.prompt_ids), response_ids=tuple(s.response_ids),
+                        stop_reason=s.stop_reason, policy_version=s.policy_version.id, seed=s.seed,
+                        prompt_text=prompt_of(s.group_id).text, response_text=decode(s),
+                        data_source=prompt_of(s.group_id).data_source,
+                        ground_truth=json.dumps(prompt_of(s.group_id).ground_truth, sort_keys=True))
+             for s in samples]
+    batch = ExperienceBatch(cfg.run.name, it, metas, contract, [version])
+    width = batch.num_response_tokens
+    batch.put("response_mask", pad_token_rows([[1] * len(s.response_ids) for s in samples], width, torch.bool),
+              Role.ROLLOUT, version.id)
+    batch.put("rollout_log_probs", pad_token_rows([s.rollout_log_probs for s in samples], width, torch.float32),
+              Role.ROLLOUT, version.id)
+    if contract.filtered:
+        batch.put("filtered_log_probs", pad_token_rows([s.filtered_log_probs for s in samples], width, torch.float32),
+                  Role.ROLLOUT, version.id)
+    batch.put("reward_records", [records[s.sample_id] for s in samples], Role.REWARD,
+              records[samples[0].sample_id].scorer_version and f"{records[samples[0].sample_id].scorer}@"
+              f"{records[samples[0].sample_id].scorer_version}")
+    return batch
+
+
+def rollout_metrics(groups, records, decode) -> dict[str, float]:
+    samples = [s for ss in groups.values() for s in ss]
+    if not samples:
+        return {}
+    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
+    ok = [records[s.sample_id] for s in samples if records[s.sample_id].ok]
+    reasons = [s.stop_reason.value for s in samples]
+    out = {"rollout/response_len_mean": float(lengths.mean()), "rollout/response_len_max": float(lengths.max()),
+           "rollout/num_samples": float(len(samples)),
+           "reward/mean": sum(r.total for r in ok) / max(1, len(ok)),
+           "reward/accuracy": sum(r.total > 0 for r in ok) / len(samples)}
+    for reason in ("eos", "stop", "length", "error"):
+        out[f"rollout/stop_{reason}_frac"] = reasons.count(reason) / len(samples)
+    return out
+
+
+def log_prob_metrics(batch: ExperienceBatch, roles) -> dict[str, float]:
+    mask = batch.get("response_mask")
+    out = {f"logprob/old_vs_rollout_{k}": float(v) for k, v in
+           algos.mismatch_metrics(batch.get("old_log_probs"), batch.get("rollout_log_probs"), mask).items()}
+    if batch.has("ref_log_probs"):
+        k3 = algos.kl_penalty(batch.get("old_log_probs"), batch.get("ref_log_probs"), "k3")
+        out["kl/ref_kl"] = float((k3 * mask).sum() / mask.sum().clamp(min=1))
+    return out

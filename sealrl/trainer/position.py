@@ -1,0 +1,87 @@
+"""Saving and restoring the training position (DESIGN section 6) through checkpoint.py:
+actor (+critic) weights, optimizers, RNG, version counters, sampler cursor, KL controller,
+reference/tokenizer/config/data hashes. Experience is never carried across a checkpoint:
+checkpoints are taken at iteration boundaries, after the iteration's batch was consumed."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from sealrl.models.hf import model_config_hash, tokenizer_hash
+from sealrl.trainer.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint,
+                                       optimizer_from_flat, optimizer_to_flat, rng_from_flat,
+                                       rng_to_flat, save_checkpoint)
+from sealrl.trainer.config import Config, config_diff
+
+# Keys that may change between a run and its resumption (they do not change the numbers).
+RESUMABLE_KEYS = {("run", "iterations"), ("run", "resume"), ("run", "progress"), ("run", "max_wall_s"),
+                  ("run", "checkpoint_every"), ("run", "eval_every"), ("eval", "num"), ("eval", "pass_k"),
+                  ("eval", "temperature"), ("reward", "num_workers"), ("reward", "timeout_s")}
+
+
+def save_position(run_dir: Path, iteration: int, cfg: Config, roles, sampler, kl_ctl, data_hash: str,
+                  extra: dict) -> Path:
+    actor = roles.actor
+    optim_t, optim_meta = optimizer_to_flat(actor.optimizer)
+    tensors = {"actor_model": dict(actor.model.state_dict()), "actor_optim": optim_t, "rng": rng_to_flat()}
+    state = {
+        "iteration": iteration, "actor_step": actor.step, "actor_attempt": actor.attempt,
+        "actor_skipped": actor.skipped_steps, "actor_optim": optim_meta,
+        "sampler": sampler.state_dict(), "kl_controller": kl_ctl.state_dict(),
+        "config": cfg.to_dict(), "config_hash": cfg.hash(), "data_hash": data_hash,
+        "tokenizer_hash": tokenizer_hash(roles.tokenizer),
+        "model_config_hash": model_config_hash(actor.model.config),
+        "reference_version": roles.reference.version.to_json() if roles.reference else None,
+        "experience": "none pending: checkpoint taken after the iteration's batch was consumed",
+        **extra,
+    }
+    if roles.critic is not None:
+        c_t, c_meta = optimizer_to_flat(roles.critic.optimizer)
+        tensors["critic_model"] = dict(roles.critic.model.state_dict())
+        tensors["critic_optim"] = c_t
+        state.update(critic_step=roles.critic.step, critic_optim=c_meta)
+    return save_checkpoint(run_dir / "checkpoints", iteration, tensors, state)
+
+
+def restore_position(run_dir: Path, cfg: Config, roles, sampler, kl_ctl, data_hash: str) -> dict | None:
+    """Load the latest committed checkpoint into the roles; None when there is none.
+    Refuses (CheckpointError with a diff) a checkpoint of another model, tokenizer, dataset or
+    an incompatible config."""
+    folder = latest_checkpoint(run_dir / "checkpoints")
+    if folder is None:
+        return None
+    parts = ["actor_model", "actor_optim", "rng"] + (["critic_model", "critic_optim"] if roles.critic else [])
+    tensors, state = load_checkpoint(folder, parts)
+    changes = [line for line in config_diff(state["config"], cfg.to_dict())
+               if tuple(line.split(":")[0].split(".", 1)) not in RESUMABLE_KEYS]
+    for key, now in (("tokenizer_hash", tokenizer_hash(roles.tokenizer)),
+                     ("model_config_hash", model_config_hash(roles.actor.model.config)),
+                     ("data_hash", data_hash)):
+        if state[key] != now:
+            changes.append(f"{key}: {state[key]} -> {now}")
+    if changes:
+        raise CheckpointError(f"cannot resume from {folder}: " + "; ".join(changes))
+    actor = roles.actor
+    actor.model.load_state_dict(tensors["actor_model"], strict=True)
+    optimizer_from_flat(actor.optimizer, tensors["actor_optim"], state["actor_optim"])
+    actor.step, actor.attempt, actor.skipped_steps = state["actor_step"], state["actor_attempt"], state["actor_skipped"]
+    if roles.critic is not None:
+        roles.critic.model.load_state_dict(tensors["critic_model"], strict=True)
+        optimizer_from_flat(roles.critic.optimizer, tensors["critic_optim"], state["critic_optim"])
+        roles.critic.step = state["critic_step"]
+    sampler.load_state_dict(state["sampler"])
+    kl_ctl.load_state_dict(state["kl_controller"])
+    rng_from_flat(tensors["rng"])
+    return state
+
+
+def checkpoint_model_state(folder: Path) -> dict:
+    """Actor weights of a committed checkpoint (for `sealrl eval` on a checkpoint)."""
+    load_checkpoint(folder, [])
+    return load_file(str(folder / "actor_model.safetensors"))
+
+
+def read_state(folder: Path) -> dict:
+    return json.loads((folder / "state.json").read_text())

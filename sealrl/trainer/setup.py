@@ -1,0 +1,159 @@
+"""Everything the driver needs before its loop: the run folder, data, reward function, roles.
+Kept apart from the loop so that the loop reads like the state machine."""
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from sealrl.data.dataset import PromptSet, load_prompts, prompts_from_rows
+from sealrl.data.sampler import PromptSampler
+from sealrl.data.tasks import EMBEDDED_TASK, make_task
+from sealrl.experience import PolicyVersion, digest
+from sealrl.models.hf import load_causal_lm, model_config_hash, tokenizer_hash
+from sealrl.roles.actor import ActorWorker
+from sealrl.roles.critic import CriticWorker
+from sealrl.roles.reference import ReferenceWorker
+from sealrl.roles.reward import RewardWorker
+from sealrl.roles.rollout import RolloutWorker
+from sealrl.sync.manifest import build_manifest
+from sealrl.trainer.config import Config, ConfigError
+
+
+# ---- run folder ---------------------------------------------------------------------------
+
+def open_run_dir(cfg: Config) -> Path:
+    """runs/<name>, refusing names or links that would escape the output folder."""
+    base = Path(cfg.run.output_dir).resolve()
+    run_dir = base / cfg.run.name
+    if run_dir.is_symlink():
+        raise ConfigError(f"run folder {run_dir} is a symbolic link; refusing to write through it")
+    if run_dir.resolve().parent != base:
+        raise ConfigError(f"run.name {cfg.run.name!r} escapes the output folder {base}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def write_run_files(run_dir: Path, cfg: Config, seeds: dict, extra: dict) -> None:
+    """config.yaml (effective config + hash) and run.json (reproducibility metadata)."""
+    (run_dir / "config.yaml").write_text(
+        f"# config hash: {cfg.hash()}\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=True))
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    import transformers
+    meta = {"config_hash": cfg.hash(), "code_commit": commit or "unknown",
+            "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "platform": platform.platform(),
+            "torch_threads": torch.get_num_threads(), "placement": "local", "seeds": seeds, **extra}
+    (run_dir / "run.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
+
+
+def make_deterministic(cfg: Config) -> None:
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    torch.manual_seed(cfg.run.seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+# ---- data ---------------------------------------------------------------------------------
+
+@dataclass
+class Data:
+    train: PromptSet
+    eval: PromptSet
+    hash: str   # identity of the training prompts, checked on resume
+
+
+def build_data(cfg: Config, tokenizer) -> Data:
+    d = cfg.data
+    kw = dict(max_prompt_tokens=d.max_prompt_tokens, use_chat_template=d.use_chat_template,
+              on_bad_row=d.on_bad_row)
+    if d.task == "file":
+        train = load_prompts(d.train_file, tokenizer, **kw)
+        evals = load_prompts(d.eval_file, tokenizer, **kw) if d.eval_file else PromptSet([], "none")
+    elif d.task == "arith":
+        train = prompts_from_rows(EMBEDDED_TASK.train_rows(d.num_train, cfg.run.seed), tokenizer,
+                                  source="arith-train", **kw)
+        evals = prompts_from_rows(EMBEDDED_TASK.eval_rows(), tokenizer, source="arith-test", **kw)
+    else:
+        train = prompts_from_rows(make_task(d.task, "train", d.num_train, cfg.run.seed), tokenizer,
+                                  source=f"{d.task}-train", **kw)
+        evals = prompts_from_rows(make_task(d.task, "test", d.num_eval, 1234), tokenizer,
+                                  source=f"{d.task}-test", **kw)
+    if not len(train):
+        raise ConfigError(f"no usable training prompts in {train.source}")
+    data_hash = digest([(p.prompt_id, p.token_ids) for p in train.prompts])
+    return Data(train, evals, data_hash)
+
+
+def build_sampler(cfg: Config, data: Data) -> PromptSampler:
+    return PromptSampler(len(data.train), cfg.data.prompts_per_iter, seed=cfg.run.seed, shuffle=True)
+
+
+# ---- rewards ------------------------------------------------------------------------------
+
+def build_reward_fn(cfg: Config):
+    """reward.fn=auto picks the verifier of the task (math-verify for dataset files)."""
+    from sealrl.rewards.verifiers import ArithmeticExactMatch, CountdownVerifier, MathVerifier
+    table = {"arith": ArithmeticExactMatch, "countdown": CountdownVerifier, "math": MathVerifier}
+    name = cfg.reward.fn if cfg.reward.fn != "auto" else {"file": "math"}.get(cfg.data.task, cfg.data.task)
+    return table[name]()
+
+
+# ---- roles --------------------------------------------------------------------------------
+
+@dataclass
+class Roles:
+    actor: ActorWorker
+    rollout: RolloutWorker
+    reward: RewardWorker
+    reference: ReferenceWorker | None
+    critic: CriticWorker | None
+    tokenizer: object
+
+    def close(self) -> None:
+        self.reward.close()
+
+
+def total_optimizer_steps(cfg: Config) -> int:
+    per_iter = cfg.data.prompts_per_iter * cfg.rollout.n
+    mini = cfg.actor.mini_batch_size or per_iter
+    return cfg.run.iterations * cfg.actor.ppo_epochs * -(-per_iter // mini)
+
+
+def build_roles(cfg: Config, run_id: str) -> Roles:
+    model, tokenizer = load_causal_lm(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    tok_hash = tokenizer_hash(tokenizer)
+    temperature, pad = cfg.rollout.temperature, tokenizer.pad_token_id
+    horizon = cfg.rollout.max_new_tokens
+    actor = ActorWorker(model, cfg.actor, cfg.algorithm, run_id, tok_hash, temperature, pad,
+                        total_optimizer_steps(cfg), horizon)
+    rollout = RolloutWorker(model, tokenizer)
+    reference = None
+    if cfg.algorithm.kl_coef > 0:  # no reference model is loaded when the KL coefficient is 0
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        ref_version = build_manifest(state, "reference", 0, 0, tok_hash, model_config_hash(model.config)).version
+        reference = ReferenceWorker(model, ref_version, temperature, pad, cfg.actor.micro_batch_size)
+    critic = None
+    if cfg.algorithm.name == "ppo":
+        from sealrl.models.critic import CriticModel
+        torch.manual_seed(cfg.run.seed + 1)
+        critic_model = CriticModel.from_causal_lm(model)   # backbone copied from the policy, new head
+        critic = CriticWorker(critic_model, cfg.critic, pad, cfg.actor.micro_batch_size,
+                              cfg.actor.loss_agg, horizon)
+    reward = RewardWorker(build_reward_fn(cfg), cfg.reward.num_workers, cfg.reward.timeout_s)
+    return Roles(actor, rollout, reward, reference, critic, tokenizer)
+
+
+def reference_version(roles: Roles) -> PolicyVersion | None:
+    return roles.reference.version if roles.reference else None
+
+
