@@ -149,23 +149,51 @@ def test_stop_reasons(trained):
         assert s.stop_reason is StopReason.EOS
 
 
+def record_decode_batches(engine) -> list[int]:
+    backend, sizes = engine._active.backend, []
+    decode = backend.decode
+    backend.decode = lambda cache, ids, *a: (sizes.append(ids.shape[0]), decode(cache, ids, *a))[1]
+    return sizes
+
+
+def distinct_running_states(samples, k: int) -> int:
+    """Rows still running after sampling token k, counted once per distinct token sequence."""
+    return len({(s.prompt_ids, s.response_ids[:k + 1]) for s in samples
+                if len(s.response_ids) > k + 1})
+
+
 def test_finished_rows_leave_the_batch(tiny):
-    """Decode step k runs exactly the rows still going after sampling token k; none after all
-    stopped. Stop tokens cover a quarter of the vocabulary, so rows stop at varied lengths."""
+    """Decode call k runs exactly the distinct states still going after token k; nothing after
+    all stopped. Stop tokens cover a quarter of the vocabulary: rows stop at varied lengths."""
     model, tokenizer = tiny
     engine, version = make_engine(model, tokenizer)
-    backend = engine._active.backend
-    batch_sizes, decode = [], backend.decode
-    backend.decode = lambda cache, ids, *a: (batch_sizes.append(ids.shape[0]), decode(cache, ids, *a))[1]
+    sizes = record_decode_batches(engine)
     contract = SamplingContract(max_new_tokens=12, stop_token_ids=tuple(range(4, 26)))
     samples = engine.generate(mixed_requests(tokenizer), contract, version)
-    backend.decode = decode
     lengths = [len(s.response_ids) for s in samples]
     assert len(set(lengths)) > 2
-    assert batch_sizes == [sum(n > k + 1 for n in lengths) for k in range(max(lengths) - 1)]
+    assert sizes == [distinct_running_states(samples, k) for k in range(max(lengths) - 1)]
     for s in samples:
         assert s.stop_reason is (StopReason.STOP if s.response_ids[-1] in range(4, 26)
                                  else StopReason.LENGTH)
+
+
+def test_candidates_share_states_while_their_tokens_coincide(trained):
+    """A confident policy: 16 candidates of one prompt mostly agree, so a decode step runs far
+    fewer than 16 rows; each candidate alone gives exactly what it gave in the group."""
+    model, tokenizer = trained
+    engine, version = make_engine(model, tokenizer)
+    sizes = record_decode_batches(engine)
+    contract = SamplingContract(temperature=1.0, max_new_tokens=8)
+    prompt = encode(tokenizer, "12+30=")
+    group = engine.generate([GenerationRequest("run/0/q", prompt, 21, tuple(range(16)))],
+                            contract, version)
+    assert sizes == [distinct_running_states(group, k) for k in range(len(sizes))]
+    assert max(sizes) < 16
+    for c in (0, 7, 15):
+        alone = engine.generate([GenerationRequest("run/0/q", prompt, 21, (c,))], contract, version)
+        assert alone[0].response_ids == group[c].response_ids
+        assert alone[0].rollout_log_probs == pytest.approx(group[c].rollout_log_probs, abs=1e-6)
 
 
 @pytest.mark.parametrize("top_k, top_p", [(3, 1.0), (0, 0.3), (5, 0.5)])

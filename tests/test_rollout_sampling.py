@@ -5,6 +5,7 @@ import math
 
 import torch
 
+from sealrl.models.logprobs import token_log_probs
 from sealrl.rollout.sampling import (candidate_seed, draw, filter_logits, fmix32, sample_step,
                                      uniform_noise)
 
@@ -48,7 +49,8 @@ def test_draws_follow_the_softmax():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]])
     seeds = torch.tensor([candidate_seed(1, c) for c in range(4000)])
     u = uniform_noise(seeds, torch.tensor([0]))[:, 0]  # (4000,)
-    tokens, log_probs, filtered = sample_step(logits.expand(4000, -1), u, 1.0, 0, 1.0)
+    tokens, log_probs, filtered = sample_step(logits, torch.zeros(4000, dtype=torch.long), u, 1.0,
+                                              0, 1.0)
     assert filtered is None
     p = torch.softmax(logits[0], -1)
     freq = torch.bincount(tokens, minlength=5).double() / 4000
@@ -59,8 +61,9 @@ def test_draws_follow_the_softmax():
 
 def test_a_zero_probability_token_is_never_drawn_even_at_the_edges():
     z = torch.tensor([[float("-inf"), 0.0, float("-inf"), 1.0, float("-inf")]]).expand(4, -1)
+    cdf = torch.softmax(z.double(), -1).cumsum(-1)
     u = torch.tensor([0.0, 1e-300, 1.0 - 2.0 ** -52, 1.0], dtype=torch.float64)
-    assert draw(z, u).tolist() == [1, 1, 3, 3]
+    assert draw(cdf, cdf[:, -1:], u).tolist() == [1, 1, 3, 3]
 
 
 def test_filters_keep_top_k_then_nucleus():
@@ -78,10 +81,19 @@ def test_filtered_sampling_stays_inside_and_reports_both_log_probs():
     logits = torch.randn(300, 10, generator=torch.Generator().manual_seed(0))
     seeds = torch.tensor([candidate_seed(3, c) for c in range(300)])
     u = uniform_noise(seeds, torch.tensor([2]))[:, 0]
-    tokens, log_probs, filtered = sample_step(logits, u, 0.7, 3, 1.0)
+    tokens, log_probs, filtered = sample_step(logits, torch.arange(300), u, 0.7, 3, 1.0)
     top3 = (logits / 0.7).topk(3, -1).indices
     assert (top3 == tokens[:, None]).any(-1).all()
     z = logits / 0.7
     assert torch.allclose(log_probs, torch.log_softmax(z, -1).gather(-1, tokens[:, None])[:, 0])
     kept = z.masked_fill(z < z.topk(3, -1).values[:, -1:], float("-inf"))
     assert torch.allclose(filtered, torch.log_softmax(kept, -1).gather(-1, tokens[:, None])[:, 0])
+
+
+def test_state_level_log_probs_are_the_training_formula_exactly():
+    """Rows sharing a state: the log-probs equal token_log_probs on each row's own logits."""
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(1))
+    rows = torch.tensor([0, 0, 1, 2, 2, 2])
+    u = uniform_noise(torch.tensor([candidate_seed(5, c) for c in range(6)]), torch.tensor([0]))[:, 0]
+    tokens, log_probs, _ = sample_step(logits, rows, u, 0.7, 0, 1.0)
+    assert torch.equal(log_probs, token_log_probs(logits[rows], tokens, 0.7))

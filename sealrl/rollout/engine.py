@@ -7,8 +7,9 @@ version it holds. What it guarantees:
   tensor by tensor against the manifest, and only then swapped in with one assignment, so a
   failed load leaves the previous version serving. KV caches live inside one generate call
   and are bound to the version that call started with: nothing cached survives a swap;
-- a group's prompt is prefilled once and its cache fanned out to the group's candidates;
-  finished rows leave the batch (the cache is compacted) and decoding stops when all finished;
+- a prompt is prefilled once and its cache fanned out to the group's candidates; candidates
+  share a cache row while their tokens coincide; finished rows leave the batch (the cache is
+  compacted) and decoding stops when all finished (loop.py);
 - the randomness of candidate c at step t is a function of (candidate seed, t) only, so a
   retry of one candidate alone, or in another batch, reproduces the same response;
 - `rollout_log_probs` are log_softmax(logits / T) without filtering, the space the actor
@@ -26,7 +27,8 @@ from sealrl.experience.ids import PolicyVersion, sample_id
 from sealrl.experience.records import SamplingContract, StopReason
 from sealrl.models.hf import check_same_tokenizer, model_config_hash, tokenizer_hash
 from sealrl.rollout.backends import HFBackend, LeanBackend, make_backend, weightless_template
-from sealrl.rollout.sampling import candidate_seed, sample_step, uniform_noise
+from sealrl.rollout.loop import decode_loop
+from sealrl.rollout.sampling import candidate_seed
 from sealrl.rollout.stops import StopChecker
 from sealrl.sync.manifest import WeightManifest, WeightSyncError, verify_weights
 
@@ -155,19 +157,20 @@ class RolloutEngine:
             if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= vocab:
                 raise ValueError(f"request {r.group_id}: prompt token outside the vocabulary "
                                  f"[0, {vocab})")
+        prompts = list(dict.fromkeys(r.prompt_ids for r in requests))  # identical prompts: one
+        prompt_index = {p: i for i, p in enumerate(prompts)}
+        rows = [(req, cand) for req in requests for cand in req.candidates]
+        seeds = [candidate_seed(req.seed, cand) for req, cand in rows]
         with torch.inference_mode():
-            rows = _decode_loop(snap.backend, requests, contract, self.device, self.eos_ids,
-                                StopChecker(self.tokenizer, contract.stop))
-        samples, i = [], 0
-        for req in requests:
-            for cand in req.candidates:
-                tokens, lps, flps, reason, seed = rows[i]
-                i += 1
-                samples.append(RolloutSample(
-                    sample_id(req.group_id, cand), req.group_id, cand, req.prompt_ids,
-                    tuple(tokens), tuple(lps), tuple(flps) if contract.filtered else None,
-                    reason, snap.version, seed))
-        return samples
+            out = decode_loop(snap.backend, prompts, [prompt_index[req.prompt_ids] for req, _ in rows],
+                              seeds, contract, self.device, self.eos_ids,
+                              StopChecker(self.tokenizer, contract.stop))
+        filtered = contract.filtered
+        return [RolloutSample(sample_id(req.group_id, cand), req.group_id, cand, req.prompt_ids,
+                              tuple(out.tokens[i]), tuple(out.log_probs[i]),
+                              tuple(out.filtered_log_probs[i]) if filtered else None,
+                              out.reasons[i], snap.version, seeds[i])
+                for i, (req, cand) in enumerate(rows)]
 
 
 def _stage(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -180,83 +183,3 @@ def _stage(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
             copies[key] = t.to("cpu", copy=True)
         staged[name] = copies[key]
     return staged
-
-
-def _left_pad(prompts: list[tuple[int, ...]], device: torch.device) -> tuple[Tensor, Tensor]:
-    """ids (G, P) left-padded with 0 and valid (G, P) bool."""
-    P = max(len(p) for p in prompts)
-    ids = torch.zeros((len(prompts), P), dtype=torch.long)
-    valid = torch.zeros((len(prompts), P), dtype=torch.bool)
-    for g, p in enumerate(prompts):
-        ids[g, P - len(p):] = torch.tensor(p, dtype=torch.long)
-        valid[g, P - len(p):] = True
-    return ids.to(device), valid.to(device)
-
-
-def _decode_loop(backend, requests: list[GenerationRequest], contract: SamplingContract,
-                 device: torch.device, eos_ids: frozenset[int], stops: StopChecker) -> list:
-    """Prefill each prompt once, fan out, sample until every row stopped.
-
-    Returns one (tokens, log_probs, filtered_log_probs, stop_reason, seed) per row, rows in
-    request/candidate order. Row state is kept for the active rows only; `alive` maps batch
-    position -> row index and every per-row tensor is compacted with it.
-    """
-    ids, valid = _left_pad([r.prompt_ids for r in requests], device)  # (G, P)
-    P = ids.shape[1]
-    max_new, stop_ids = contract.max_new_tokens, frozenset(contract.stop_token_ids)
-    max_len = P + max_new - 1  # the last sampled token is never fed back
-    group_of = [g for g, r in enumerate(requests) for _ in r.candidates]
-    seeds = [candidate_seed(r.seed, c) for r in requests for c in r.candidates]
-    N = len(seeds)
-    out_tokens: list[list[int]] = [[] for _ in range(N)]
-    out_lps: list[list[float]] = [[] for _ in range(N)]
-    out_flps: list[list[float]] = [[] for _ in range(N)]
-    reasons: list[StopReason | None] = [None] * N
-
-    positions = (valid.long().cumsum(1) - 1).clamp(min=0)  # (G, P)
-    logits, cache = backend.prefill(ids, positions, valid, max_len)  # (G, V)
-    fan = torch.tensor(group_of, device=device)
-    cache, logits = backend.select(cache, fan), logits.index_select(0, fan)  # (N, V)
-    key_valid = None  # only needed when some prompt is padded
-    if not bool(valid.all()):
-        key_valid = torch.ones((N, max_len), dtype=torch.bool, device=device)
-        key_valid[:, :P] = valid.index_select(0, fan)
-    pad_len = P - valid.long().sum(1).index_select(0, fan)  # (N,)
-    seed_t = torch.tensor(seeds, dtype=torch.int64, device=device)
-    # every row's uniform for every step, up front: (N, max_new), a function of (seed, step)
-    noise = uniform_noise(seed_t, torch.arange(max_new, device=device))
-    alive = list(range(N))
-
-    for step in range(max_new):
-        tokens, lps, flps = sample_step(logits, noise[:, step], contract.temperature,
-                                        contract.top_k, contract.top_p)
-        token_list, lp_list = tokens.tolist(), lps.tolist()
-        flp_list = flps.tolist() if flps is not None else None
-        keep = []
-        for i, row in enumerate(alive):
-            tok = token_list[i]
-            out_tokens[row].append(tok)
-            out_lps[row].append(lp_list[i])
-            if flp_list is not None:
-                out_flps[row].append(flp_list[i])
-            if tok in eos_ids:
-                reasons[row] = StopReason.EOS
-            elif tok in stop_ids or stops.hit(out_tokens[row]):
-                reasons[row] = StopReason.STOP
-            elif step == max_new - 1:
-                reasons[row] = StopReason.LENGTH
-            else:
-                keep.append(i)
-        if not keep:
-            break
-        if len(keep) < len(alive):  # finished rows leave the batch
-            idx = torch.tensor(keep, device=device)
-            cache = backend.select(cache, idx)
-            tokens, noise = tokens[idx], noise.index_select(0, idx)
-            pad_len = pad_len[idx]
-            key_valid = None if key_valid is None else key_valid.index_select(0, idx)
-            alive = [alive[i] for i in keep]
-        col = P + step  # cache column of the token being fed
-        step_valid = None if key_valid is None else key_valid[:, :col + 1]
-        logits = backend.decode(cache, tokens, col - pad_len, step_valid)
-    return [(out_tokens[r], out_lps[r], out_flps[r], reasons[r], seeds[r]) for r in range(N)]

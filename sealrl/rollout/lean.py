@@ -124,8 +124,15 @@ def _linear_residual(residual: Tensor, x: Tensor, w: Tensor, b: Tensor | None) -
 
 def _rms_scale(x: Tensor, eps: float) -> Tensor:
     """RMSNorm without its weight (folded into the next matmul), computed in fp32 like HF."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), None, eps)
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+def _rope(qk: Tensor, rope: Tensor) -> Tensor:
+    """Rotate paired head dims: qk (B, T, heads, D) times rope (B, T, 1, D/2) complex."""
+    pairs = torch.view_as_complex(qk.float().unflatten(-1, (qk.shape[-1] // 2, 2)))
+    return torch.view_as_real(pairs * rope).flatten(-2).to(qk.dtype)
 
 
 class LeanCausalLM:
@@ -137,7 +144,7 @@ class LeanCausalLM:
         self.num_kv_heads = Hkv = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // H
         self.eps = config.rms_norm_eps
-        self.act = ACT2FN[config.hidden_act]
+        self.act = ACT2FN[config.hidden_act].forward  # the bare function: no module-call overhead
         self.device = device
         w = {k: v.to(device) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
@@ -193,12 +200,11 @@ class LeanCausalLM:
         x = F.embedding(ids.reshape(-1), self.embed)  # (B*T, hidden): 2D activations throughout
         for layer, keys, values in zip(self.layers, cache.keys, cache.values):
             qkv = _linear(_rms_scale(x, self.eps), layer.w_qkv, layer.b_qkv).view(B, T, -1, D)
-            pairs = torch.view_as_complex(qkv[:, :, :H + Hkv].float().unflatten(-1, (D // 2, 2)))
-            qk = torch.view_as_real(pairs * rope).flatten(-2).to(x.dtype)  # (B, T, H+Hkv, D)
-            keys.narrow(2, start, T).copy_(qk[:, :, H:].transpose(1, 2))
-            values.narrow(2, start, T).copy_(qkv[:, :, H + Hkv:].transpose(1, 2))
+            qk = _rope(qkv.narrow(2, 0, H + Hkv), rope)  # (B, T, H+Hkv, D)
+            keys.narrow(2, start, T).copy_(qk.narrow(2, H, Hkv).transpose(1, 2))
+            values.narrow(2, start, T).copy_(qkv.narrow(2, H + Hkv, Hkv).transpose(1, 2))
             attn = F.scaled_dot_product_attention(
-                qk[:, :, :H].transpose(1, 2), keys.narrow(2, 0, end), values.narrow(2, 0, end),
+                qk.narrow(2, 0, H).transpose(1, 2), keys.narrow(2, 0, end), values.narrow(2, 0, end),
                 attn_mask=attn_mask, is_causal=causal and attn_mask is None,
                 enable_gqa=H != Hkv)  # (B, H, T, D)
             x = _linear_residual(x, attn.transpose(1, 2).reshape(B * T, H * D), layer.w_o, layer.b_o)

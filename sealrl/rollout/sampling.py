@@ -20,20 +20,23 @@ modulo 2**64 on CPU and CUDA alike; only the low 32 bits are kept, so the result
 """
 from __future__ import annotations
 
-import hashlib
-
 import torch
 from torch import Tensor
 
-from sealrl.models.logprobs import token_log_probs
+_M32, _M64 = 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF
 
-_M32 = 0xFFFFFFFF
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's output function (Steele et al. 2014): a 64-bit bijection, full avalanche."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
 
 
 def candidate_seed(request_seed: int, candidate: int) -> int:
     """63-bit seed of one candidate, a function of (request seed, candidate) only."""
-    h = hashlib.sha256(f"sealrl/candidate-seed/{request_seed}/{candidate}".encode()).digest()
-    return int.from_bytes(h[:8], "little") >> 1
+    return _splitmix64(_splitmix64(request_seed & _M64) ^ candidate) >> 1
 
 
 def fmix32(h: Tensor) -> Tensor:
@@ -79,32 +82,32 @@ def filter_logits(z: Tensor, top_k: int, top_p: float) -> Tensor:
     return z
 
 
-def draw(z: Tensor, u: Tensor) -> Tensor:
-    """Inverse-CDF draw from softmax(z) per row: z (B, V) with -inf for removed tokens, u (B,).
+def draw(cdf: Tensor, total: Tensor, u: Tensor) -> Tensor:
+    """Inverse-CDF draw per row: cdf (B, V) float64 cumulative mass, total (B, 1), u (B,).
 
-    The CDF is accumulated in float64. The target is kept strictly below the total mass, so
-    the chosen interval is never empty: a token of probability 0 is never returned.
+    The target is kept strictly below the total mass, so the chosen interval is never empty:
+    a token of probability 0 (an unchanged cumulative mass) is never returned.
     """
-    cdf = torch.softmax(z.double(), dim=-1).cumsum(-1)  # (B, V)
-    total = cdf[:, -1:]
     target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True).squeeze(-1)  # (B,)
 
 
-def sample_step(logits: Tensor, u: Tensor, temperature: float, top_k: int, top_p: float,
-                ) -> tuple[Tensor, Tensor, Tensor | None]:
+def sample_step(logits: Tensor, rows: Tensor, u: Tensor, temperature: float, top_k: int,
+                top_p: float) -> tuple[Tensor, Tensor, Tensor | None]:
     """Draw one token per row: (tokens (B,), log-probs (B,), filtered log-probs (B,) or None).
 
-    logits (B, V) fp32, u (B,) uniforms. The log-probs are in the training space
-    (log_softmax(logits/T), unfiltered); filtered ones are under the distribution actually
-    sampled from, returned only when top-k/top-p is on.
+    logits (U, V) fp32, one row per decode state; rows (B,) the state of each row; u (B,)
+    uniforms. The distribution work (filter, softmax, CDF, logsumexp) is done once per state.
+    The log-probs are in the training space, log_softmax(logits/T) unfiltered, with the same
+    arithmetic as `token_log_probs`; filtered ones are under the distribution actually sampled
+    from, returned only when top-k/top-p is on.
     """
-    z = logits / temperature
+    z = logits.float() / temperature  # (U, V)
     filtered = top_k > 0 or top_p < 1.0
     zf = filter_logits(z, top_k, top_p) if filtered else z
-    tokens = draw(zf, u)
-    log_probs = token_log_probs(logits, tokens, temperature)
+    cdf = torch.softmax(zf.double(), dim=-1).cumsum(-1)  # (U, V)
+    tokens = draw(cdf.index_select(0, rows), cdf[:, -1:].index_select(0, rows), u)
+    log_probs = z[rows, tokens] - torch.logsumexp(z, dim=-1)[rows]
     if not filtered:
         return tokens, log_probs, None
-    picked = zf.gather(-1, tokens[:, None]).squeeze(-1)
-    return tokens, log_probs, picked - torch.logsumexp(zf, dim=-1)
+    return tokens, log_probs, zf[rows, tokens] - torch.logsumexp(zf, dim=-1)[rows]
