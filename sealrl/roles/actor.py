@@ -37,7 +37,7 @@ class ActorWorker:
         self.temperature, self.pad_id, self.total_steps, self.horizon = temperature, pad_id, total_steps, horizon
         self.config_hash = model_config_hash(model.config)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
-                                           weight_decay=cfg.weight_decay)
+                                           eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
         self.step = 0           # committed optimizer steps
         self.attempt = 0        # tries of the current update (a rolled-back update retries)
         self.skipped_steps = 0  # optimizer steps skipped for a non-finite gradient

@@ -19,7 +19,8 @@ class CriticWorker:
                  loss_agg: str, horizon: int):
         self.model, self.cfg, self.pad_id = model, cfg, pad_id
         self.micro, self.loss_agg, self.horizon = micro_batch_size, loss_agg, horizon
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, eps=cfg.adam_eps,
+                                           weight_decay=cfg.weight_decay)
         self.step = 0
 
     @property
