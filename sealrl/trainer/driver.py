@@ -18,7 +18,7 @@ from sealrl.experience.store import write_iteration
 from sealrl.models.hf import save_causal_lm
 from sealrl.obs.metrics import MetricsLogger, truncate_metrics
 from sealrl.obs.progress import Progress
-from sealrl.trainer import setup
+from sealrl.trainer import faults, setup
 from sealrl.trainer.config import Config
 from sealrl.trainer.derive import derive
 from sealrl.trainer.evaluate import evaluate
@@ -75,6 +75,7 @@ def train(cfg: Config) -> dict:
             with sm.stage("checkpoint", "driver"):
                 save_position(run_dir, it + 1, cfg, roles, sampler, kl_ctl, data.hash,
                               {"accuracy_before": before, "train_wall_s": wall})
+            faults.point("after_checkpoint", it + 1)
         sm.flush()
         if last:
             break
