@@ -228,8 +228,10 @@ class EmbeddedTask:
     eval_num: int = 500
     """Held-out problems used for every reported accuracy."""
     eval_seed: int = 1234
-    sft_num: int = 0
-    """Supervised problems of the warm start (set below from the measured choice)."""
+    sft_num: int = 450
+    """Supervised problems of the warm start: `train_rows(sft_num, sft_seed)`. Measured
+    plateaus (held-out greedy accuracy, this model): 300 -> 9%, 450 -> 29%, 600 -> 81%,
+    750 -> 100%; see sealrl/assets/arith-tiny/WARM_START.md."""
     sft_seed: int = 0
     max_new_tokens: int = 5
     """Enough for the 3-digit answer, <eos>, and one token of slack to see a missed stop."""

@@ -198,18 +198,22 @@ class LeanCausalLM:
         start, end = cache.length, cache.length + T
         rope = cache.rope[positions].unsqueeze(2)  # (B, T, 1, D/2) complex
         x = F.embedding(ids.reshape(-1), self.embed)  # (B*T, hidden): 2D activations throughout
+        last_layer = self.layers[-1]
         for layer, keys, values in zip(self.layers, cache.keys, cache.values):
             qkv = _linear(_rms_scale(x, self.eps), layer.w_qkv, layer.b_qkv).view(B, T, -1, D)
             qk = _rope(qkv.narrow(2, 0, H + Hkv), rope)  # (B, T, H+Hkv, D)
             keys.narrow(2, start, T).copy_(qk.narrow(2, H, Hkv).transpose(1, 2))
             values.narrow(2, start, T).copy_(qkv.narrow(2, H + Hkv, Hkv).transpose(1, 2))
+            q, mask, is_causal = qk.narrow(2, 0, H), attn_mask, causal and attn_mask is None
+            if layer is last_layer and T > 1:
+                # Only the last position's output is read; earlier ones needed their K/V only.
+                x, q, T = x.view(B, T, -1)[:, -1], q.narrow(1, T - 1, 1), 1
+                mask, is_causal = None if mask is None else mask[:, :, -1:], False
             attn = F.scaled_dot_product_attention(
-                qk.narrow(2, 0, H).transpose(1, 2), keys.narrow(2, 0, end), values.narrow(2, 0, end),
-                attn_mask=attn_mask, is_causal=causal and attn_mask is None,
-                enable_gqa=H != Hkv)  # (B, H, T, D)
+                q.transpose(1, 2), keys.narrow(2, 0, end), values.narrow(2, 0, end),
+                attn_mask=mask, is_causal=is_causal, enable_gqa=H != Hkv)  # (B, H, T, D)
             x = _linear_residual(x, attn.transpose(1, 2).reshape(B * T, H * D), layer.w_o, layer.b_o)
             gate, up = _linear(_rms_scale(x, self.eps), layer.w_gate_up, layer.b_gate_up).chunk(2, -1)
             x = _linear_residual(x, self.act(gate) * up, layer.w_down, layer.b_down)
         cache.length = end
-        last = x.view(B, T, -1)[:, -1]  # (B, hidden)
-        return torch.mm(_rms_scale(last, self.eps), self.lm_head).float()  # (B, V)
+        return torch.mm(_rms_scale(x, self.eps), self.lm_head).float()  # (B, V): T is 1 here

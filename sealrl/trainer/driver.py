@@ -63,6 +63,7 @@ def train(cfg: Config) -> dict:
         t0 = time.perf_counter()
         metrics = run_iteration(it, cfg, roles, data, sampler, kl_ctl, contract, sm, run_dir, version)
         version = sync_weights(roles, sm)  # ACTOR_COMMITTED(v+1) -> ... -> ROLLOUT_READY(v+1)
+        metrics["time/weight_sync_s"] = sm.stage_seconds["weight_sync"]
         if cfg.run.eval_every and (it + 1) % cfg.run.eval_every == 0 and it + 1 < cfg.run.iterations:
             metrics.update(evaluate(roles.rollout, version, data.eval, **eval_kw))
         wall += time.perf_counter() - t0
