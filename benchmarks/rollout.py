@@ -1,0 +1,148 @@
+"""Rollout throughput: sealrl's RolloutEngine against Hugging Face `generate`, one run, one machine.
+
+Both sample the same prompts (16 two-digit additions by default, each n=8 times) from the same
+weights with the same settings: temperature 1.0, no top-k/top-p, up to 32 new tokens, KV
+cache on. Tokens are counted the same way for both: every generated response token up to and
+including the first eos, nothing after it. Repeats alternate between the two engines so that
+load from other processes on a shared machine hits both alike; the medians are compared.
+
+Run:
+    .venv/bin/python benchmarks/rollout.py                      # embedded model
+    .venv/bin/python benchmarks/rollout.py --model PATH --device cuda
+
+The model is PATH if given, else the warm-start checkpoint sealrl/assets/arith-tiny if
+present, else the randomly initialised build_tiny_model(0). The last line printed is JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+# Idle OpenMP workers must sleep, not spin, or a busy second core slows every op many-fold;
+# read when torch loads, so it is set before the import (for both engines alike).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+from sealrl.experience.records import SamplingContract  # noqa: E402
+from sealrl.models.hf import load_causal_lm, model_config_hash, tokenizer_hash  # noqa: E402
+from sealrl.models.tiny import build_tiny_model  # noqa: E402
+from sealrl.rollout import GenerationRequest, RolloutEngine  # noqa: E402
+from sealrl.sync.manifest import build_manifest  # noqa: E402
+
+WARM_START = Path(__file__).resolve().parent.parent / "sealrl" / "assets" / "arith-tiny"
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, default=None, help="local HF causal-LM folder")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--n", type=int, default=8, help="candidates per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch default")
+    return p.parse_args()
+
+
+def load_model(path: Path | None, device: str):
+    if path is None and WARM_START.is_dir():
+        path = WARM_START
+    if path is not None:
+        model, tokenizer = load_causal_lm(path, device=device)
+        return model, tokenizer, str(path)
+    model, tokenizer = build_tiny_model(0)
+    return model.to(device), tokenizer, "build_tiny_model(0)"
+
+
+def addition_prompts(tokenizer, num: int, seed: int = 0) -> list[list[int]]:
+    """'07+45=' style prompts, the embedded arithmetic task's format."""
+    rng = random.Random(seed)
+    texts = [f"{rng.randrange(100):02d}+{rng.randrange(100):02d}=" for _ in range(num)]
+    return [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+
+
+def count_until_eos(rows: list[list[int]], eos_ids: set[int]) -> int:
+    total = 0
+    for row in rows:
+        stop = next((i for i, t in enumerate(row) if t in eos_ids), None)
+        total += len(row) if stop is None else stop + 1
+    return total
+
+
+def run_sealrl(engine, version, prompts, args, repeat: int) -> int:
+    contract = SamplingContract(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+    requests = [GenerationRequest(f"bench/{repeat}/{i}", tuple(p), seed=repeat * 100_003 + i,
+                                  candidates=tuple(range(args.n))) for i, p in enumerate(prompts)]
+    samples = engine.generate(requests, contract, version)
+    return sum(len(s.response_ids) for s in samples)
+
+
+def run_hf(model, tokenizer, prompts, args, repeat: int, eos_ids: set[int]) -> int:
+    rows = [p for p in prompts for _ in range(args.n)]
+    width = max(map(len, rows))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=model.device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=model.device)
+    torch.manual_seed(repeat)
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True,
+                             temperature=args.temperature, top_k=0, top_p=1.0,
+                             max_new_tokens=args.max_new_tokens, use_cache=True,
+                             pad_token_id=pad, eos_token_id=sorted(eos_ids))
+    return count_until_eos(out[:, width:].tolist(), eos_ids)
+
+
+def timed(fn, device: str) -> tuple[float, int]:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    tokens = fn()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, tokens
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer, source = load_model(args.model, args.device)
+    engine = RolloutEngine(model, tokenizer, device=args.device)
+    manifest = build_manifest(model.state_dict(), "bench", 0, 0, tokenizer_hash(tokenizer),
+                              model_config_hash(model.config))
+    engine.load_weights(model.state_dict(), manifest)
+    prompts = addition_prompts(tokenizer, args.prompts)
+    eos_ids = set(engine.eos_ids)
+
+    results: dict[str, list[tuple[float, int]]] = {"sealrl": [], "hf": []}
+    for repeat in range(-1, args.repeats):  # repeat -1 is the warm-up, not recorded
+        runs = {"sealrl": lambda: run_sealrl(engine, manifest.version, prompts, args, repeat),
+                "hf": lambda: run_hf(model, tokenizer, prompts, args, repeat, eos_ids)}
+        for name, fn in runs.items():
+            seconds, tokens = timed(fn, args.device)
+            if repeat >= 0:
+                results[name].append((seconds, tokens))
+                print(f"{name:6s} repeat {repeat}: {tokens} tokens in {seconds:.3f} s "
+                      f"({tokens / seconds:,.0f} tokens/s)", flush=True)
+
+    summary = {"model": source, "device": args.device, "threads": torch.get_num_threads(),
+               "prompts": args.prompts, "n": args.n, "max_new_tokens": args.max_new_tokens,
+               "temperature": args.temperature, "repeats": args.repeats,
+               "backend": engine.backend_name}
+    for name, runs in results.items():
+        summary[f"{name}_tokens_per_s"] = round(statistics.median(t / s for s, t in runs), 1)
+        summary[f"{name}_median_s"] = round(statistics.median(s for s, _ in runs), 4)
+        summary[f"{name}_median_tokens"] = statistics.median(t for _, t in runs)
+    summary["ratio"] = round(summary["sealrl_tokens_per_s"] / summary["hf_tokens_per_s"], 2)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
