@@ -25,18 +25,19 @@ def weightless_template(model: PreTrainedModel) -> PreTrainedModel:
     """A copy of `model` whose state-dict tensors live on the meta device.
 
     It keeps the structure and the non-persistent buffers (e.g. RoPE frequencies) the HF
-    forward needs, and costs no memory per weight; each version's weights are assigned into
-    a fresh copy of it.
+    forward needs, and costs no memory per weight: the deepcopy memo maps every parameter and
+    persistent buffer to a meta tensor up front, so no weight is ever copied (a tied pair
+    stays one tensor). Each version's weights are assigned into a fresh copy of it.
     """
-    template = copy.deepcopy(model).cpu().eval()
-    for module in template.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None:
-                module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=False)
-        for name, b in list(module._buffers.items()):
+    memo: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None and id(p) not in memo:
+                memo[id(p)] = nn.Parameter(p.detach().to("meta"), requires_grad=False)
+        for name, b in module._buffers.items():
             if b is not None and name not in module._non_persistent_buffers_set:
-                module._buffers[name] = b.to("meta")
-    return template
+                memo.setdefault(id(b), b.detach().to("meta"))
+    return copy.deepcopy(model, memo).eval()
 
 
 class LeanBackend:
