@@ -14,6 +14,12 @@ version it holds. What it guarantees:
   retry of one candidate alone, or in another batch, reproduces the same response;
 - `rollout_log_probs` are log_softmax(logits / T) without filtering, the space the actor
   trains in; the eos/stop token is part of `response_ids` (it is an action).
+
+Seeds: a candidate's seed is derived from (GenerationRequest.seed, candidate) only; the
+engine does not read SamplingContract.seed or n (the driver derives request seeds and picks
+candidates). Threads: generation uses torch's intra-op threads as set by the caller; on a few
+shared CPU cores, OMP_WAIT_POLICY=PASSIVE (set before torch is imported) and one thread are
+often faster for small models, because every multi-threaded op waits for a busy core.
 """
 from __future__ import annotations
 
