@@ -141,6 +141,8 @@ def test_stop_reasons(trained):
     for s in run(max_new_tokens=2):
         assert s.response_ids == encode(tokenizer, "25") and s.stop_reason is StopReason.LENGTH
         assert s.stop_reason.truncated
+    for s in run(max_new_tokens=1):  # prefill only, no decode step
+        assert s.response_ids == encode(tokenizer, "2") and s.stop_reason is StopReason.LENGTH
     for s in run(max_new_tokens=8, stop_token_ids=(five,)):
         assert s.response_ids == (encode(tokenizer, "2")[0], five) and s.stop_reason is StopReason.STOP
     for s in run(max_new_tokens=8, stop=("25",)):  # the token completing the string is kept
