@@ -26,6 +26,11 @@ def _train(args) -> int:
     cfg = load_config(args.config, overrides)   # before heavy imports: a bad key fails fast
     from sealrl.trainer.driver import train
     summary = train(cfg)
+    before, after = summary["accuracy_before"], summary["accuracy_after"]
+    if before is not None and after is not None:
+        print(f"held-out accuracy: {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} points) "
+              f"after {summary['iterations']} iterations, {summary['wall_s']:.0f} s of training; "
+              f"run folder {summary['run_dir']}")
     print(json.dumps({k: summary[k] for k in ("accuracy_before", "accuracy_after", "wall_s", "iterations")}))
     return 0
 

@@ -64,11 +64,11 @@ def train(cfg: Config) -> dict:
         metrics = run_iteration(it, cfg, roles, data, sampler, kl_ctl, contract, sm, run_dir, version)
         version = sync_weights(roles, sm)  # ACTOR_COMMITTED(v+1) -> ... -> ROLLOUT_READY(v+1)
         metrics["time/weight_sync_s"] = sm.stage_seconds["weight_sync"]
+        metrics["time/iteration_s"] = time.perf_counter() - t0
+        wall += metrics["time/iteration_s"]          # training time: evaluation is not counted
+        metrics["time/train_wall_s"] = wall
         if cfg.run.eval_every and (it + 1) % cfg.run.eval_every == 0 and it + 1 < cfg.run.iterations:
             metrics.update(evaluate(roles.rollout, version, data.eval, **eval_kw))
-        wall += time.perf_counter() - t0
-        metrics["time/iteration_s"] = time.perf_counter() - t0
-        metrics["time/train_wall_s"] = wall
         logger.log(it, metrics)
         progress.update(it, metrics)
         last = it + 1 == cfg.run.iterations or (cfg.run.max_wall_s and wall >= cfg.run.max_wall_s)
@@ -86,7 +86,7 @@ def train(cfg: Config) -> dict:
     summary = {"accuracy_before": before.get("eval/accuracy"), "accuracy_after": after.get("eval/accuracy"),
                "wall_s": round(wall, 2), "iterations": it + 1, "algorithm": cfg.algorithm.name,
                "eval_before": before, "eval_after": after, "policy_version": version.id,
-               "optimizer_steps": roles.actor.step, "config_hash": cfg.hash()}
+               "optimizer_steps": roles.actor.step, "config_hash": cfg.hash(), "run_dir": str(run_dir)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     logger.close()
     roles.close()

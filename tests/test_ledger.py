@@ -1,0 +1,82 @@
+"""Group completion and reward-error policies (DESIGN section 4), on hand-made samples."""
+from sealrl.experience import PolicyVersion, RewardRecord, RewardStatus, StopReason, sample_id
+from sealrl.rollout.engine import RolloutSample
+from sealrl.trainer.ledger import new_iteration, request_seed
+
+V = PolicyVersion("run", 0)
+
+
+def _sample(g, c, stop=StopReason.EOS):
+    return RolloutSample(sample_id=sample_id(g, c), group_id=g, candidate=c, prompt_ids=(1,),
+                         response_ids=(5, 2), rollout_log_probs=(-0.1, -0.2), filtered_log_probs=None,
+                         stop_reason=stop, policy_version=V, seed=c)
+
+
+def test_request_seeds_are_derived_not_random():
+    assert request_seed(0, 3, "p1") == request_seed(0, 3, "p1")
+    assert len({request_seed(0, 3, "p1"), request_seed(0, 4, "p1"), request_seed(1, 3, "p1"),
+                request_seed(0, 3, "p2")}) == 4
+
+
+def test_failed_candidates_are_regenerated_with_the_same_seed():
+    ledger, reqs = new_iteration(0, 3, 2, "run", 0, [("a", (1,)), ("b", (1,))])
+    ga, gb = list(reqs)
+    first = [_sample(ga, 0), _sample(ga, 1, StopReason.ERROR), _sample(ga, 2),
+             _sample(gb, 0), _sample(gb, 0), _sample(gb, 1), _sample(gb, 2)]   # b0 delivered twice
+    asked = []
+
+    def regenerate(requests):
+        asked.extend(requests)
+        return [_sample(r.group_id, c) for r in requests for c in r.candidates]
+
+    groups = ledger.complete(first, regenerate, reqs)
+    assert [(r.group_id, r.candidates, r.seed) for r in asked] == [(ga, (1,), reqs[ga].seed)]
+    assert [s.candidate for s in groups[ga]] == [0, 1, 2] and len(groups[gb]) == 3
+    assert ledger.counts()["groups/regenerated_samples"] == 1
+
+
+def test_group_dropped_after_retry_limit_never_padded():
+    ledger, reqs = new_iteration(0, 2, 1, "run", 0, [("a", (1,)), ("b", (1,))])
+    ga, gb = list(reqs)
+    always_fail = lambda requests: [_sample(r.group_id, c, StopReason.ERROR) for r in requests for c in r.candidates]  # noqa: E731
+    groups = ledger.complete([_sample(ga, 0), _sample(gb, 0), _sample(gb, 1)], always_fail, reqs)
+    assert list(groups) == [gb]
+    assert ledger.groups[ga].status == "dropped" and "1/2 candidates" in ledger.groups[ga].reason
+
+
+def _records(groups, bad):
+    return {s.sample_id: (RewardRecord.failure(RewardStatus.TIMEOUT, "v", "deadline") if s.sample_id in bad
+                          else RewardRecord.success(1.0, "v")) for ss in groups.values() for s in ss}
+
+
+def test_reward_error_policies():
+    for policy, kept_groups, penalised in (("drop_group", 1, 0), ("penalty", 2, 1)):
+        ledger, reqs = new_iteration(0, 2, 1, "run", 0, [("a", (1,)), ("b", (1,))])
+        ga, gb = list(reqs)
+        groups = {ga: [_sample(ga, 0), _sample(ga, 1)], gb: [_sample(gb, 0), _sample(gb, 1)]}
+        records = _records(groups, {sample_id(ga, 1)})
+        kept = ledger.apply_reward_policy(groups, records, policy, lambda ids: {})
+        ledger.commit(list(kept))
+        counts = ledger.counts()
+        assert len(kept) == kept_groups and counts["reward/penalised"] == penalised
+        assert counts["reward/errors"] == 1
+        # the errored record keeps its status: it is never turned into a score
+        assert not records[sample_id(ga, 1)].ok
+    assert ledger.groups[ga].status == "committed"
+
+
+def test_reward_retry_rescored_then_dropped():
+    ledger, reqs = new_iteration(0, 2, 2, "run", 0, [("a", (1,)), ("b", (1,))])
+    ga, gb = list(reqs)
+    groups = {ga: [_sample(ga, 0), _sample(ga, 1)], gb: [_sample(gb, 0), _sample(gb, 1)]}
+    records = _records(groups, {sample_id(ga, 1), sample_id(gb, 0)})
+    calls = []
+
+    def rescore(ids):   # a recovers on the first retry, b keeps failing
+        calls.append(list(ids))
+        return {i: RewardRecord.success(0.0, "v") for i in ids if i.startswith(ga)}
+
+    kept = ledger.apply_reward_policy(groups, records, "retry", rescore)
+    assert list(kept) == [ga]
+    assert calls == [[sample_id(ga, 1), sample_id(gb, 0)], [sample_id(gb, 0)]]
+    assert ledger.groups[gb].status == "dropped" and "timeout" in ledger.groups[gb].reason
