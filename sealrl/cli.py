@@ -49,6 +49,12 @@ def _eval(args) -> int:
     return 0
 
 
+def _quiet_libraries() -> None:
+    """Our own progress bar is the only one: no per-load/per-save bars from transformers."""
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sealrl", description="RL post-training with a sealed, "
                                      "versioned experience record.")
@@ -70,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     e.set_defaults(fn=_eval)
     args = parser.parse_args(argv)
     try:
+        _quiet_libraries()
         return args.fn(args)
     except KeyboardInterrupt:
         print("sealrl: interrupted", file=sys.stderr)
