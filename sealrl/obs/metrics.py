@@ -9,10 +9,10 @@ from pathlib import Path
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, tensorboard: bool = True):
+    def __init__(self, run_dir: Path, loggers: str = "tensorboard"):
         self.path = run_dir / "metrics.jsonl"
         self._tb = None
-        if tensorboard:
+        if "tensorboard" in loggers.split(","):
             from torch.utils.tensorboard import SummaryWriter  # imported here: heavy and optional
             self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
 

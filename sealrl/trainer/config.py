@@ -28,6 +28,9 @@ def _check(ok: bool, key: str, rule: str, value: Any) -> None:
         raise ConfigError(f"{key} must be {rule}, got {value!r}")
 
 
+LOGGERS = ("tensorboard", "wandb", "mlflow")
+
+
 @dataclass(kw_only=True, slots=True)
 class RunConfig:
     name: str = "arith_grpo"               # run folder name under output_dir
@@ -40,11 +43,14 @@ class RunConfig:
     max_wall_s: float = 0.0                # stop after this much training time (0 = no limit)
     threads: int = 0                       # torch threads (0 = leave torch's default)
     progress: bool = True                  # live progress bar on stderr
+    loggers: str = "tensorboard"           # comma list beyond metrics.jsonl: tensorboard, wandb, mlflow ("" = none)
 
     def __post_init__(self):
         _check(self.resume in ("never", "auto"), "run.resume", "never or auto", self.resume)
         _check(self.iterations >= 1, "run.iterations", ">= 1", self.iterations)
         _check(self.checkpoint_every >= 0, "run.checkpoint_every", ">= 0", self.checkpoint_every)
+        unknown = [x for x in self.loggers.split(",") if x.strip() and x.strip() not in LOGGERS]
+        _check(not unknown, "run.loggers", f"a comma list of {' | '.join(LOGGERS)}", self.loggers)
         _check(bool(self.name) and "/" not in self.name and ".." not in self.name and
                not self.name.startswith("."), "run.name", "a plain folder name", self.name)
 

@@ -50,7 +50,7 @@ def train(cfg: Config) -> dict:
                                                                  "num_train_prompts": len(data.train),
                                                                  "dropped_train_rows": data.train.num_dropped})
     sm = StateMachine(run_dir / "trace.json")
-    logger = MetricsLogger(run_dir)
+    logger = MetricsLogger(run_dir, cfg.run.loggers)
     eval_kw = dict(reward_fn=setup.build_reward_fn(cfg), tokenizer=roles.tokenizer,
                    max_new_tokens=cfg.rollout.max_new_tokens, num=cfg.eval.num, pass_k=cfg.eval.pass_k,
                    temperature=cfg.eval.temperature, seed=cfg.run.seed)
