@@ -1,4 +1,18 @@
-import pytest
+import os
+
+# Idle OpenMP threads spin by default and, on 2 shared cores, slow everything else many-fold.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """The test models are tiny: one thread is as fast as two here and never waits for a core
+    that another process holds. Runs that set run.threads change it for their duration only."""
+    import torch
+    torch.set_num_threads(1)
+    yield
 
 
 @pytest.fixture(scope="session")

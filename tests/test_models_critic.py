@@ -12,15 +12,6 @@ PROMPTS = [[11, 12, 14, 8, 6, 18], [5, 9], [20, 21, 22]]
 RESPONSES = [[4, 5, 2], [7, 8, 9, 10, 11], []]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: on 2 shared cores a second OpenMP thread mostly waits for a
-    busy core (many-fold slower), so the module runs single-threaded and restores after."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 @pytest.fixture(scope="module")
 def lm():

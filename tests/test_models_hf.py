@@ -9,15 +9,6 @@ from sealrl.models.hf import (TokenizerMismatchError, check_same_tokenizer, load
 from sealrl.models.tiny import build_char_tokenizer, build_tiny_model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: on 2 shared cores a second OpenMP thread mostly waits for a
-    busy core (many-fold slower), so the module runs single-threaded and restores after."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):

@@ -20,15 +20,6 @@ from sealrl.rollout.backends import LeanBackend, weightless_template
 from sealrl.sync.manifest import build_manifest
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: on 2 shared cores a second OpenMP thread mostly waits for a
-    busy core (many-fold slower), so the module runs single-threaded and restores after."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 

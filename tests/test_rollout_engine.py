@@ -14,15 +14,6 @@ from sealrl.sync.manifest import build_manifest
 ANSWERS = {"07+45=": "25", "12+30=": "24"}  # the arithmetic task's reversed-answer format
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: on 2 shared cores a second OpenMP thread mostly waits for a
-    busy core (many-fold slower), so the module runs single-threaded and restores after."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 def make_engine(model, tokenizer, step=0, **kwargs):
     manifest = build_manifest(model.state_dict(), "run", step, 0, tokenizer_hash(tokenizer),

@@ -13,15 +13,6 @@ from sealrl.rollout import GenerationRequest, RolloutEngine, VersionNotHeldError
 from sealrl.sync.manifest import WeightSyncError, build_manifest
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: on 2 shared cores a second OpenMP thread mostly waits for a
-    busy core (many-fold slower), so the module runs single-threaded and restores after."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 @pytest.fixture()
 def setup():

@@ -28,11 +28,20 @@ from sealrl.trainer.state import Phase, StateMachine
 
 
 def train(cfg: Config) -> dict:
-    """Run (or resume) a training run; returns the summary also written to summary.json."""
+    """Run (or resume) a training run; returns the summary also written to summary.json.
+    Scorer processes are closed and torch's thread count restored however the run ends."""
+    threads = torch.get_num_threads()
     setup.make_deterministic(cfg)
     run_dir = setup.open_run_dir(cfg)
-    run_id = cfg.run.name
-    roles = setup.build_roles(cfg, run_id)
+    roles = setup.build_roles(cfg, cfg.run.name)
+    try:
+        return _train(cfg, run_dir, roles)
+    finally:
+        roles.close()
+        torch.set_num_threads(threads)
+
+
+def _train(cfg: Config, run_dir, roles) -> dict:
     data = setup.build_data(cfg, roles.tokenizer)
     sampler = setup.build_sampler(cfg, data)
     kl_ctl = (algos.AdaptiveKLController(cfg.algorithm.kl_coef, cfg.algorithm.kl_target, cfg.algorithm.kl_horizon)
@@ -89,7 +98,6 @@ def train(cfg: Config) -> dict:
                "optimizer_steps": roles.actor.step, "config_hash": cfg.hash(), "run_dir": str(run_dir)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     logger.close()
-    roles.close()
     return summary
 
 
