@@ -1,0 +1,432 @@
+"""Run untrusted Python (model-written code) in a sandboxed subprocess, under hard limits.
+
+`run_sandboxed(code, stdin)` runs `python -I -S -B main.py` with `stdin` on its standard input
+and returns a SandboxResult; it never raises for anything the code does. What is in force:
+
+- its own unprivileged uid and gid (one per concurrent run, leased from SANDBOX_UIDS by a lock
+  file, never 0 and in no passwd), no supplementary groups, PR_SET_NO_NEW_PRIVS: root-only host
+  files are unreadable, and RLIMIT_NPROC (counted per real uid, ignored for root) counts only
+  this run's processes, so a fork bomb in one run cannot starve a concurrent one;
+- rlimits: CPU seconds (SIGXCPU at `cpu_s`, SIGKILL one second later), address space, file
+  size, open files, processes, no core files;
+- fresh namespaces, made by a small root launcher (`_LAUNCHER`) before it drops privileges:
+  network (only a loopback, left down: every connect fails with ENETUNREACH), pid (the code is
+  pid 1 of its namespace, so when it dies the kernel kills every process it started, even
+  ones that left the process group with setsid), and mount (a private /proc; every mount
+  read-only; /tmp, /var/tmp, /dev/shm and HIDDEN_PATHS covered by empty read-only tmpfs, so
+  world-readable files there, datasets included, are out of sight; the working folder is a
+  size-limited tmpfs, so writes never reach the host disk);
+- a scrubbed environment (PATH, LANG, HOME = the working folder, nothing of the parent's);
+- a working folder made for the run (mode 0700, owned by the sandbox uid), removed afterwards;
+- a wall-clock deadline: SIGKILL to the whole process group (pid namespace included), reaped;
+- no orphan: PR_SET_PDEATHSIG=SIGKILL on the launcher and on the code (set after the uid
+  change, which clears it, and followed by a liveness check of the parent), so killing the
+  caller kills the launcher, then the code, then its namespace.
+
+Where the platform refuses any of this (not root, unshare not permitted, no mount_setattr),
+the run is REFUSED with a message naming what failed, unless `allow_weak=True`: then it runs
+with whatever could be set up and `result.weakened` lists what is missing. A refusal is an
+infrastructure fault, never a verdict on the code.
+
+Expected outputs never enter the sandbox: callers pass inputs on stdin and compare stdout in
+the parent (sealrl.rewards.code). Output kept per stream is capped at `max_output_bytes`.
+Memory is bounded per process (RLIMIT_AS), so the total is at most max_processes * memory_mb.
+Linux only; root is needed for the uid change and the namespaces.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import selectors
+import shutil
+import signal
+import stat
+import subprocess
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import Enum
+from typing import Iterator, Sequence
+
+SANDBOX_PYTHON = "/usr/bin/python3"
+"""Interpreter for the launcher and the code: it must be executable by an unprivileged uid and
+lie outside HIDDEN_PATHS (a venv under /root is neither)."""
+SANDBOX_UIDS = range(1_900_000_000, 1_900_004_096)
+"""uids (and equal gids) leased to runs, one per concurrent run; no file on the host is theirs."""
+HIDDEN_PATHS = ("/home", "/root", "/work", "/mnt", "/media", "/srv", "/opt")
+"""Folders covered by an empty tmpfs inside the sandbox, besides /tmp, /var/tmp and /dev/shm."""
+_LOCK_DIR = "/run/sealrl-sandbox"  # root-only; one lock file per leased uid
+_SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+_REFUSED_EXIT = 125  # launcher exit code after it reported a refusal on the status pipe
+_REAP_GRACE_S = 2.0  # after a SIGKILL, how long the pipes may take to close
+
+
+class SandboxStatus(str, Enum):
+    OK = "ok"              # exited 0
+    ERROR = "error"        # exited non-zero (an exception, MemoryError, fork failure, ...)
+    TIMEOUT = "timeout"    # still running at the wall-clock deadline: killed
+    KILLED = "killed"      # ended by a signal (SIGXCPU at the CPU limit, SIGXFSZ, SIGSEGV, ...)
+    REFUSED = "refused"    # not run, or not run as asked: an infrastructure failure
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SandboxResult:
+    status: SandboxStatus
+    exit_code: int | None
+    """Exit status; -N when ended by signal N; None when refused before it ran."""
+    stdout: str
+    stderr: str
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    wall_s: float = 0.0
+    limit: str | None = None
+    """Which limit ended it: "wall", "cpu", "file_size", or, read from stderr (best effort),
+    "memory", "processes", "open_files"; None when none is known."""
+    message: str = ""
+    """Why it was refused, or what the launcher reported."""
+    weakened: tuple[str, ...] = ()
+    """Isolation that could not be set up (non-empty only with allow_weak=True)."""
+
+
+def run_sandboxed(code: str, stdin: str = "", *, cpu_s: int = 2, wall_s: float = 5.0,
+                  memory_mb: int = 256, file_size_mb: int = 1, max_open_files: int = 32,
+                  max_processes: int = 8, allow_weak: bool = False,
+                  max_output_bytes: int = 64 * 1024, python: str = SANDBOX_PYTHON,
+                  hidden_paths: Sequence[str] = HIDDEN_PATHS) -> SandboxResult:
+    """Run `code` (Python source) with `stdin` as its input, isolated and limited (module doc)."""
+    for field, value in (("cpu_s", cpu_s), ("wall_s", wall_s), ("memory_mb", memory_mb),
+                         ("file_size_mb", file_size_mb), ("max_open_files", max_open_files),
+                         ("max_processes", max_processes), ("max_output_bytes", max_output_bytes)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"run_sandboxed: {field} must be a positive number, got {value!r}")
+    if not isinstance(code, str) or not isinstance(stdin, str):
+        raise TypeError("run_sandboxed: code and stdin must be str")
+    weakened: list[str] = []
+    problem = _check_python(python, hidden_paths)
+    if problem:
+        return _refused(problem)
+    if os.geteuid() != 0:
+        weakened.append("uid: not root, cannot run the code as a separate unprivileged uid "
+                        "(no RLIMIT_NPROC, no namespaces)")
+        if not allow_weak:
+            return _refused("; ".join(weakened))
+    with _leased_uid(os.geteuid() == 0) as uid:
+        workdir = tempfile.mkdtemp(prefix="sealrl-sbx-")
+        try:
+            with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
+                f.write(code)
+            if uid is not None:
+                os.chown(os.path.join(workdir, "main.py"), uid, uid)
+                os.chown(workdir, uid, uid)
+            os.chmod(workdir, 0o700)
+            config = {"parent_pid": os.getpid(), "python": python, "workdir": workdir,
+                      "uid": uid, "allow_weak": allow_weak, "weakened": weakened,
+                      "masks": [p for p in (*_SCRATCH_DIRS, *hidden_paths)
+                                if os.path.isdir(p) and not os.path.islink(p)],
+                      "tmpfs_mb": 4 * file_size_mb, "cpu_s": int(cpu_s),
+                      "memory_bytes": int(memory_mb) << 20, "file_bytes": int(file_size_mb) << 20,
+                      "max_open_files": int(max_open_files), "max_processes": int(max_processes)}
+            return _run(config, stdin, float(wall_s), int(max_output_bytes))
+        finally:
+            if uid is not None:
+                _kill_uid(uid)  # belt and braces: the pid namespace already took them all
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _refused(message: str, wall_s: float = 0.0) -> SandboxResult:
+    return SandboxResult(status=SandboxStatus.REFUSED, exit_code=None, stdout="", stderr="",
+                         wall_s=wall_s, message=message)
+
+
+def _check_python(python: str, hidden_paths: Sequence[str]) -> str:
+    real = os.path.realpath(python)
+    if not os.path.isfile(real):
+        return f"sandbox interpreter {python!r} does not exist"
+    for p in (*_SCRATCH_DIRS, *hidden_paths):
+        if real == p or real.startswith(p.rstrip("/") + "/"):
+            return f"sandbox interpreter {real!r} lies under {p!r}, which is hidden in the sandbox"
+    path = real
+    while True:  # every folder on the way must be searchable, the file executable, by anyone
+        mode = os.stat(path).st_mode
+        if not mode & stat.S_IXOTH:
+            return f"sandbox interpreter {real!r}: {path!r} is not accessible to other users"
+        if path == "/":
+            return ""
+        path = os.path.dirname(path)
+
+
+@contextmanager
+def _leased_uid(root: bool) -> Iterator[int | None]:
+    """A uid from SANDBOX_UIDS that no other run holds, for the duration of the block."""
+    if not root:
+        yield None
+        return
+    os.makedirs(_LOCK_DIR, mode=0o700, exist_ok=True)
+    start = int.from_bytes(os.urandom(2), "little") % len(SANDBOX_UIDS)
+    for i in range(len(SANDBOX_UIDS)):
+        uid = SANDBOX_UIDS[(start + i) % len(SANDBOX_UIDS)]
+        fd = os.open(os.path.join(_LOCK_DIR, str(uid)), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        try:
+            yield uid
+        finally:
+            os.close(fd)  # releases the lock
+        return
+    raise RuntimeError(f"run_sandboxed: all {len(SANDBOX_UIDS)} sandbox uids are in use")
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every process of `uid`: a forked helper takes the uid and calls kill(-1)."""
+    for _ in range(3):  # a racing fork bomb can add a process during one sweep
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+                os.kill(-1, signal.SIGKILL)  # every process this uid may signal, except itself
+            except BaseException:
+                pass
+            os._exit(0)
+        os.waitpid(pid, 0)
+
+
+def _run(config: dict, stdin: str, wall_s: float, max_output_bytes: int) -> SandboxResult:
+    status_r, status_w = os.pipe()
+    start = time.monotonic()
+    with tempfile.TemporaryFile() as stdin_file:  # a file, not a pipe: no writer to deadlock
+        stdin_file.write(stdin.encode())
+        stdin_file.seek(0)
+        config["status_fd"] = status_w
+        try:
+            proc = subprocess.Popen(
+                [config["python"], "-I", "-S", "-B", "-c", _LAUNCHER, json.dumps(config)],
+                stdin=stdin_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                pass_fds=(status_w,), start_new_session=True, cwd="/",
+                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
+        except OSError as e:
+            os.close(status_r)
+            return _refused(f"could not start the sandbox launcher: {e}")
+        finally:
+            os.close(status_w)
+    streams = _drain(proc, {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr",
+                            status_r: "status"}, start + wall_s, max_output_bytes)
+    timed_out = streams.pop("timed_out")
+    proc.wait()
+    elapsed = time.monotonic() - start
+    proc.stdout.close()
+    proc.stderr.close()
+    os.close(status_r)
+    return _verdict(streams, timed_out, proc.returncode, elapsed, max_output_bytes)
+
+
+def _drain(proc: subprocess.Popen, fds: dict[int, str], deadline: float,
+           max_output_bytes: int) -> dict:
+    """Read every pipe to EOF, keeping at most max_output_bytes (+1, to see truncation) each;
+    SIGKILL the process group at the deadline, then allow _REAP_GRACE_S for the pipes to close."""
+    out: dict = {name: bytearray() for name in fds.values()}
+    out["timed_out"] = False
+    with selectors.DefaultSelector() as sel:
+        for fd in fds:
+            os.set_blocking(fd, False)
+            sel.register(fd, selectors.EVENT_READ)
+        while sel.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if out["timed_out"]:
+                    break  # something outside our reach keeps a pipe open; stop waiting
+                out["timed_out"] = True
+                _killpg(proc.pid)
+                deadline = time.monotonic() + _REAP_GRACE_S
+                continue
+            for key, _ in sel.select(left):
+                try:
+                    chunk = os.read(key.fd, 65536)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    sel.unregister(key.fd)
+                    continue
+                buf = out[fds[key.fd]]
+                if len(buf) <= max_output_bytes:  # keep draining past the cap, keep nothing
+                    buf += chunk[: max_output_bytes + 1 - len(buf)]
+    if proc.poll() is None:  # pipes closed but the launcher lingers (should not happen)
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            out["timed_out"] = True
+            _killpg(proc.pid)
+    return out
+
+
+def _killpg(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+_SIGNAL_LIMITS = {signal.SIGXCPU: "cpu", signal.SIGXFSZ: "file_size"}
+_STDERR_LIMITS = (("MemoryError", "memory"), ("[Errno 11] Resource temporarily unavailable",
+                  "processes"), ("[Errno 24] Too many open files", "open_files"),
+                  ("[Errno 27] File too large", "file_size"))
+
+
+def _verdict(streams: dict, timed_out: bool, launcher_code: int, elapsed: float,
+             max_output_bytes: int) -> SandboxResult:
+    reports = [json.loads(line) for line in bytes(streams["status"]).decode().splitlines()
+               if line.startswith("{")]
+    report = {k: v for r in reports for k, v in r.items()}
+    weakened = tuple(report.get("weakened", ()))
+
+    def text(name: str) -> tuple[str, bool]:
+        raw = bytes(streams[name])
+        return raw[:max_output_bytes].decode("utf-8", "replace"), len(raw) > max_output_bytes
+
+    stdout, stdout_cut = text("stdout")
+    stderr, stderr_cut = text("stderr")
+    if "refused" in report:
+        return _refused(report["refused"], elapsed)
+    code = report.get("exit_code")
+    if timed_out:
+        status, limit = SandboxStatus.TIMEOUT, "wall"
+    elif code is None:  # the launcher died without reporting (killed from outside)
+        return _refused(f"the sandbox launcher ended without a report (exit {launcher_code}); "
+                        f"stderr: {stderr[-300:]!r}", elapsed)
+    elif code < 0:
+        status, limit = SandboxStatus.KILLED, _SIGNAL_LIMITS.get(-code)
+    else:
+        status = SandboxStatus.OK if code == 0 else SandboxStatus.ERROR
+        limit = next((name for needle, name in _STDERR_LIMITS if needle in stderr), None) \
+            if code else None
+    return SandboxResult(status=status, exit_code=code, stdout=stdout, stderr=stderr,
+                         stdout_truncated=stdout_cut, stderr_truncated=stderr_cut,
+                         wall_s=elapsed, limit=limit, weakened=weakened)
+
+
+# The launcher runs as root in a fresh `python -I -S -B`, so no state of the caller (threads,
+# signal handlers, imported modules) is involved: it makes the namespaces and mounts, forks the
+# code's process (pid 1 of the new pid namespace), which sets its limits, drops privileges and
+# execs the code; the launcher waits for it and reports its exit status on the status pipe.
+_LAUNCHER = r'''
+import ctypes, errno, json, os, resource, select, signal, sys
+cfg = json.loads(sys.argv[1])
+status_fd = cfg["status_fd"]
+os.set_inheritable(status_fd, False)
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
+                       ctypes.c_char_p]
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+SYS_mount_setattr, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 442, -100, 0x8000, 1, 2
+
+def report(**kw):
+    os.write(status_fd, (json.dumps(kw) + "\n").encode())
+
+def refuse(msg):
+    report(refused=msg)
+    os._exit(125)
+
+def check(ret, what):
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+def mount(src, target, fstype, flags, data=None):
+    enc = lambda s: None if s is None else s.encode()
+    check(libc.mount(enc(src), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
+
+# Die with the caller; if it died before prctl took effect, stop now.
+check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
+if os.getppid() != cfg["parent_pid"]:
+    os._exit(124)
+weakened = list(cfg["weakened"])
+have = {}
+for name, flag in (("mount", CLONE_NEWNS), ("network", CLONE_NEWNET), ("pid", CLONE_NEWPID)):
+    have[name] = libc.unshare(flag) == 0
+    if not have[name]:
+        weakened.append(f"{name} namespace: unshare failed: {os.strerror(ctypes.get_errno())}")
+workdir, uid = cfg["workdir"], cfg["uid"]
+try:
+    if have["mount"]:
+        mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount reaches the host
+        class MountAttr(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_uint64) for n in ("set", "clr", "propagation", "userns")]
+        attr = MountAttr(MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0, 0, 0)
+        check(libc.syscall(SYS_mount_setattr, AT_FDCWD, b"/", AT_RECURSIVE, ctypes.byref(attr),
+                           ctypes.sizeof(attr)), "mount_setattr(/, read-only, recursive)")
+        with open(os.path.join(workdir, "main.py"), "rb") as f:
+            code = f.read()
+        owner = f",uid={uid},gid={uid}" if uid is not None else ""
+        mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV,
+              f"size={cfg['tmpfs_mb']}m,nr_inodes=256,mode=0700{owner}")
+        with open(os.path.join(workdir, "main.py"), "wb") as f:
+            f.write(code)
+        if uid is not None:
+            os.chown(os.path.join(workdir, "main.py"), uid, uid)
+        os.chdir(workdir)  # the cwd keeps this mount when /tmp is covered below
+        for p in cfg["masks"]:
+            mount("tmpfs", p, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64k,nr_inodes=64,mode=0755")
+        if not os.path.exists(workdir):  # covered by a mask: bring it back
+            os.makedirs(workdir)
+            mount(".", workdir, None, MS_BIND)
+        for p in cfg["masks"]:
+            mount(None, p, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    os.chdir(workdir)
+except OSError as e:
+    if not cfg["allow_weak"]:
+        refuse(f"sandbox set-up failed: {e}")
+    weakened.append(f"mounts: {e}")
+    os.chdir(workdir)
+if weakened and not cfg["allow_weak"]:
+    refuse("isolation not available here (pass allow_weak=True to run without it): "
+           + "; ".join(weakened))
+report(weakened=weakened)
+lifeline_r, lifeline_w = os.pipe()  # the child sees EOF here once this launcher is gone
+pid = os.fork()
+if pid:
+    os.close(lifeline_r)
+    _, wait_status = os.waitpid(pid, 0)
+    report(exit_code=os.waitstatus_to_exitcode(wait_status))
+    os._exit(0)
+try:  # the code's process: pid 1 of the new pid namespace when there is one
+    os.close(lifeline_w)
+    if have["pid"] and have["mount"]:
+        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)  # this namespace only
+    limits = ((resource.RLIMIT_CPU, cfg["cpu_s"], cfg["cpu_s"] + 1),
+              (resource.RLIMIT_AS, cfg["memory_bytes"], cfg["memory_bytes"]),
+              (resource.RLIMIT_FSIZE, cfg["file_bytes"], cfg["file_bytes"]),
+              (resource.RLIMIT_NOFILE, cfg["max_open_files"], cfg["max_open_files"]),
+              (resource.RLIMIT_CORE, 0, 0))
+    if uid is not None:  # NPROC counts every process of the real uid: only ours once dropped
+        limits += ((resource.RLIMIT_NPROC, cfg["max_processes"], cfg["max_processes"]),)
+    for which, soft, hard in limits:
+        resource.setrlimit(which, (soft, hard))
+    os.umask(0o077)
+    if uid is not None:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+        if os.getuid() != uid or os.geteuid() != uid:
+            raise OSError(errno.EPERM, "uid change did not take")
+    check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
+    # The uid change cleared PDEATHSIG: set it now, then make sure the launcher still lives.
+    check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
+    if select.select([lifeline_r], [], [], 0)[0]:
+        os._exit(124)
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
+           "HOME": workdir, "TMPDIR": workdir}  # -I ignores PYTHON* variables anyway
+    py = cfg["python"]
+    os.execve(py, [py, "-I", "-S", "-B", "main.py"], env)
+except BaseException as e:
+    refuse(f"sandbox child set-up failed: {type(e).__name__}: {e}")
+'''
