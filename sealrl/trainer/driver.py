@@ -22,6 +22,7 @@ from sealrl.trainer import faults, setup
 from sealrl.trainer.config import Config
 from sealrl.trainer.derive import derive
 from sealrl.trainer.evaluate import evaluate
+from sealrl.trainer.iteration_metrics import batch_metrics, rollout_metrics, stage_shares
 from sealrl.trainer.ledger import new_iteration
 from sealrl.trainer.position import restore_position, save_position
 from sealrl.trainer.state import Phase, StateMachine
@@ -74,6 +75,7 @@ def _train(cfg: Config, run_dir, roles) -> dict:
         version = sync_weights(roles, sm)  # ACTOR_COMMITTED(v+1) -> ... -> ROLLOUT_READY(v+1)
         metrics["time/weight_sync_s"] = sm.stage_seconds["weight_sync"]
         metrics["time/iteration_s"] = time.perf_counter() - t0
+        metrics.update(stage_shares(sm.stage_seconds, metrics["time/iteration_s"]))
         wall += metrics["time/iteration_s"]          # training time: evaluation is not counted
         metrics["time/train_wall_s"] = wall
         if cfg.run.eval_every and (it + 1) % cfg.run.eval_every == 0 and it + 1 < cfg.run.iterations:
@@ -133,7 +135,7 @@ def run_iteration(it, cfg: Config, roles, data, sampler, kl_ctl, contract, sm: S
         kept = ledger.apply_reward_policy(groups, records, cfg.algorithm.reward_error,
                                           lambda ids: roles.reward.score([items[i] for i in ids]))
     ledger.commit(list(kept))
-    metrics = {**ledger.counts(), **rollout_metrics(groups, records, decode)}
+    metrics = {**ledger.counts(), **rollout_metrics(groups, records, sm.stage_seconds["generate"])}
     if not kept:
         raise RuntimeError(f"iteration {it}: every group was dropped ({ledger.rows()[0]['reason']})")
     batch = build_batch(cfg, it, kept, records, prompt_of, decode, contract, version)
@@ -154,15 +156,15 @@ def run_iteration(it, cfg: Config, roles, data, sampler, kl_ctl, contract, sm: S
     sm.to(Phase.UPDATING_FROM, version.id)
     with sm.stage("advantage", "driver"):
         metrics.update(derive(batch, cfg.algorithm, kl_ctl.beta, cfg.rollout.max_new_tokens, f"{cfg.algorithm.name}@{it}"))
-        metrics.update(log_prob_metrics(batch, roles))
     if roles.critic is not None:
         with sm.stage("critic_update", "critic"):
             metrics.update(roles.critic.update(batch))
     with sm.stage("actor_update", "actor"):
         metrics.update(roles.actor.update(batch, version, it, seed=cfg.run.seed * 100003 + it))
+    metrics.update(batch_metrics(batch, roles.actor.step, version.step))
+    metrics["kl/beta"] = kl_ctl.beta          # the beta this iteration used
     if cfg.algorithm.kl_target > 0:
         kl_ctl.update(metrics.get("kl/ref_kl", 0.0), len(batch))
-    metrics["kl/beta"] = kl_ctl.beta
     sm.to(Phase.ACTOR_COMMITTED, f"step{roles.actor.step}")
     write_iteration(run_dir / "experience", batch, consumed_step=roles.actor.step,
                     extra={"old_log_prob_mode": [cfg.algorithm.old_log_prob] * len(batch),
@@ -197,29 +199,3 @@ def build_batch(cfg, it, kept, records, prompt_of, decode, contract, version) ->
               records[samples[0].sample_id].scorer_version and f"{records[samples[0].sample_id].scorer}@"
               f"{records[samples[0].sample_id].scorer_version}")
     return batch
-
-
-def rollout_metrics(groups, records, decode) -> dict[str, float]:
-    samples = [s for ss in groups.values() for s in ss]
-    if not samples:
-        return {}
-    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
-    ok = [records[s.sample_id] for s in samples if records[s.sample_id].ok]
-    reasons = [s.stop_reason.value for s in samples]
-    out = {"rollout/response_len_mean": float(lengths.mean()), "rollout/response_len_max": float(lengths.max()),
-           "rollout/num_samples": float(len(samples)),
-           "reward/mean": sum(r.total for r in ok) / max(1, len(ok)),
-           "reward/accuracy": sum(r.total > 0 for r in ok) / len(samples)}
-    for reason in ("eos", "stop", "length", "error"):
-        out[f"rollout/stop_{reason}_frac"] = reasons.count(reason) / len(samples)
-    return out
-
-
-def log_prob_metrics(batch: ExperienceBatch, roles) -> dict[str, float]:
-    mask = batch.get("response_mask")
-    out = {f"logprob/old_vs_rollout_{k}": float(v) for k, v in
-           algos.mismatch_metrics(batch.get("old_log_probs"), batch.get("rollout_log_probs"), mask).items()}
-    if batch.has("ref_log_probs"):
-        k3 = algos.kl_penalty(batch.get("old_log_probs"), batch.get("ref_log_probs"), "k3")
-        out["kl/ref_kl"] = float((k3 * mask).sum() / mask.sum().clamp(min=1))
-    return out
