@@ -1,0 +1,108 @@
+"""A run folder as the audit reads it: the effective config, every experience file (columns and
+schema metadata, read raw so that a broken file is a finding, not a crash) and the ledger."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sealrl.experience.store import read_table
+from sealrl.trainer.config import Config, load_config
+
+_ITER_FILE = re.compile(r"iter_(\d+)\.parquet")
+# what every check may index without asking: the store writes them for every sample
+REQUIRED_COLUMNS = ("sample_id", "group_id", "prompt_id", "iteration", "policy_version", "prompt_ids",
+                    "response_ids", "sampling", "consumed_step")
+
+
+@dataclass(slots=True)
+class IterationFile:
+    path: Path
+    iteration: int                   # from the file name
+    meta: dict = field(default_factory=dict)     # the `sealrl` schema metadata
+    cols: dict[str, list] = field(default_factory=dict)
+    num_rows: int = 0
+    error: str = ""                  # why the file could not be read at all
+    groups: dict[str, list[int]] = field(default_factory=dict)   # group_id -> row indices
+
+    @property
+    def readable(self) -> bool:
+        return not self.error
+
+    def one(self, column: str):
+        """The single value of a column that must be constant within the file, else None."""
+        values = set(self.cols.get(column, ()))
+        return values.pop() if len(values) == 1 else None
+
+
+@dataclass(slots=True)
+class RunFolder:
+    path: Path
+    cfg: Config
+    run_id: str
+    config_hash_line: str            # the hash written on the first line of config.yaml
+    files: list[IterationFile]       # sorted by iteration
+    ledger: list[dict]
+    ledger_errors: list[str]         # missing file, unparseable lines
+
+    def file(self, iteration: int) -> IterationFile | None:
+        return next((f for f in self.files if f.iteration == iteration), None)
+
+    @property
+    def readable(self) -> list[IterationFile]:
+        return [f for f in self.files if f.readable]
+
+
+def load_run(run_dir: str | Path) -> RunFolder:
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"run folder {path} does not exist")
+    config = path / "config.yaml"
+    if not config.is_file():
+        raise FileNotFoundError(f"{path} is not a run folder: no config.yaml")
+    cfg = load_config(str(config))
+    first = config.read_text().splitlines()[0] if config.read_text() else ""
+    hash_line = first.split(":", 1)[1].strip() if first.startswith("# config hash:") else ""
+    files = [_read_file(p) for p in sorted((path / "experience").glob("iter_*.parquet"))
+             if _ITER_FILE.fullmatch(p.name)]
+    files.sort(key=lambda f: f.iteration)
+    ledger, errors = _read_ledger(path / "ledger.jsonl")
+    return RunFolder(path, cfg, cfg.run.name, hash_line, files, ledger, errors)
+
+
+def _read_file(path: Path) -> IterationFile:
+    f = IterationFile(path, int(_ITER_FILE.fullmatch(path.name).group(1)))
+    try:
+        table, f.meta = read_table(path)
+    except Exception as e:  # a truncated or foreign file is a finding of the seal check
+        f.error = f"cannot read {path.name}: {type(e).__name__}: {e}"
+        return f
+    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
+    if missing:
+        f.error = f"{path.name} lacks the identity columns {missing}"
+        return f
+    f.cols, f.num_rows = table.to_pydict(), table.num_rows
+    for i, g in enumerate(f.cols.get("group_id", ())):
+        f.groups.setdefault(g, []).append(i)
+    return f
+
+
+def _read_ledger(path: Path) -> tuple[list[dict], list[str]]:
+    if not path.is_file():
+        return [], [f"no {path.name}: the outcome of the sampled prompts is not recorded"]
+    rows, errors = [], []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            errors.append(f"{path.name} line {n} is not JSON: {e}")
+            continue
+        missing = [k for k in ("iteration", "group_id", "prompt_id", "status") if k not in row]
+        if missing:
+            errors.append(f"{path.name} line {n} lacks {missing}")
+            continue
+        rows.append(row)
+    return rows, errors

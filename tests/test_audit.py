@@ -1,0 +1,320 @@
+"""`sealrl audit`: passes on run folders the driver writes (GRPO+KL, PPO, reward errors under
+both policies, bypass, soft overlong, a resumed run) and fails, naming the check, on folders
+corrupted in each way the audit exists to catch. Runs are built once per module (seconds) and
+copied per test."""
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from sealrl.audit import CHECK_NAMES, add_parser, audit_run
+from sealrl.experience.ids import digest
+from sealrl.rewards.verifiers import ArithmeticExactMatch
+from sealrl.trainer import driver as driver_module
+from sealrl.trainer import setup as trainer_setup
+from sealrl.trainer.config import build_config
+from sealrl.trainer.driver import train
+
+BASE = ["run.iterations=3", "run.progress=false", "run.loggers=", "data.num_train=48", "eval.num=4",
+        "data.prompts_per_iter=4", "rollout.n=4", "rollout.max_new_tokens=5", "actor.micro_batch_size=16",
+        "actor.lr=1e-3", "run.seed=1"]
+
+RUNS = {
+    "grpo_kl": ["algorithm.kl_coef=0.05"],
+    "ppo": ["algorithm.name=ppo", "algorithm.kl_coef=0.05", "algorithm.kl_in=reward",
+            "actor.ppo_epochs=2", "actor.mini_batch_size=8"],
+    # errored rewards kept with the explicit penalty, soft overlong, old = rollout (bypass)
+    "penalty": ["algorithm.reward_error=penalty", "algorithm.reward_error_penalty=-0.5",
+                "algorithm.overlong=soft", "algorithm.overlong_buffer=2", "rollout.max_new_tokens=4",
+                "algorithm.old_log_prob=bypass"],
+    "drop": ["algorithm.reward_error=drop_group"],
+}
+FLAKY = {"penalty", "drop"}
+REAL_REWARD_FN = trainer_setup.build_reward_fn
+
+
+class FlakyArith(ArithmeticExactMatch):
+    """The arithmetic verifier, but candidate 1 of every other prompt gets no valid score."""
+
+    def __call__(self, sample):
+        group, _, cand = sample.sample_id.rpartition("/")
+        if cand == "1" and int(digest(group), 16) % 2 == 0:
+            return None        # an error record, not a score
+        return super().__call__(sample)
+
+
+def _train(out: Path, name: str, extra: list[str]) -> Path:
+    train(build_config(None, BASE + extra + [f"run.output_dir={out}", f"run.name={name}"]))
+    return out / name
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("audit_runs")
+    made = {}
+    with pytest.MonkeyPatch.context() as mp:
+        for name, extra in RUNS.items():
+            scorer = (lambda cfg: FlakyArith()) if name in FLAKY else REAL_REWARD_FN
+            mp.setattr(trainer_setup, "build_reward_fn", scorer)
+            made[name] = _train(out, name, extra)
+    # resumed: 2 iterations, then continue to 3 from the final checkpoint
+    _train(out, "resumed", ["run.iterations=2"])
+    made["resumed"] = _train(out, "resumed", ["run.resume=auto"])
+    return made
+
+
+@pytest.fixture
+def run(runs, tmp_path, request) -> Path:
+    """A private copy of the run named by the test's `base` parameter (default grpo_kl)."""
+    name = getattr(request, "param", "grpo_kl")
+    return Path(shutil.copytree(runs[name], tmp_path / name))
+
+
+def _failed(path) -> list[str]:
+    return audit_run(path).failed_checks()
+
+
+# ---- real runs pass ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", [*RUNS, "resumed"])
+def test_runs_from_the_driver_pass(runs, name):
+    report = audit_run(runs[name])
+    assert report.ok, report.summary()
+    assert report.checks == list(CHECK_NAMES)
+    assert report.num_iterations == 3 and report.num_samples == 4 * report.num_groups > 0
+
+
+def test_flaky_runs_exercise_the_reward_and_ledger_rules(runs):
+    """The passing runs above are not vacuous: one trained errored rewards with the penalty,
+    the other dropped groups with a reason."""
+    table = pa.concat_tables([pq.read_table(p) for p in sorted((runs["penalty"] / "experience").iterdir())])
+    assert "error" in table.column("reward_status").to_pylist()
+    ledger = [json.loads(x) for x in (runs["drop"] / "ledger.jsonl").read_text().splitlines()]
+    dropped = [r for r in ledger if r["status"] == "dropped"]
+    assert dropped and all(r["reason"].startswith("reward error") for r in dropped)
+
+
+@pytest.mark.xfail(strict=True, reason="driver finding: resume does not truncate ledger.jsonl (as it does "
+                   "metrics.jsonl), so iterations redone after a crash are recorded twice")
+def test_run_resumed_after_a_crash_between_checkpoints(tmp_path, monkeypatch):
+    real = driver_module.save_position
+
+    def crash(run_dir, iteration, *args, **kwargs):
+        if iteration == 3:   # iteration 2 is written (experience, ledger) but never checkpointed
+            raise RuntimeError("injected crash before checkpoint 3")
+        return real(run_dir, iteration, *args, **kwargs)
+    monkeypatch.setattr(driver_module, "save_position", crash)
+    with pytest.raises(RuntimeError, match="injected crash"):
+        _train(tmp_path, "crash", ["run.checkpoint_every=2"])
+    monkeypatch.setattr(driver_module, "save_position", real)
+    report = audit_run(_train(tmp_path, "crash", ["run.checkpoint_every=2", "run.resume=auto"]))
+    assert report.ok, report.summary()
+
+
+# ---- corruptions fail, naming the check ------------------------------------------------------
+
+def _rewrite(path: Path, edit=None, meta_edit=None) -> None:
+    """Rewrite an iteration file: edit(columns as Python lists) and/or meta_edit(sealrl meta),
+    keeping the schema (types) and the rest of the metadata."""
+    old = pq.read_table(path)
+    cols = old.to_pydict()
+    if edit:
+        edit(cols)
+    table = pa.table({k: pa.array(v, type=old.schema.field(k).type) for k, v in cols.items()})
+    metadata = dict(old.schema.metadata)
+    if meta_edit:
+        meta = json.loads(metadata[b"sealrl"])
+        meta_edit(meta)
+        metadata[b"sealrl"] = json.dumps(meta).encode()
+    pq.write_table(table.replace_schema_metadata(metadata), path)
+
+
+def _iter(run: Path, i: int) -> Path:
+    return run / "experience" / f"iter_{i:06d}.parquet"
+
+
+def _ledger(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "ledger.jsonl").read_text().splitlines()]
+
+
+def _write_ledger(run: Path, rows: list[dict]) -> None:
+    (run / "ledger.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_sample_duplicated_across_iterations(run):
+    row = {k: v[0] for k, v in pq.read_table(_iter(run, 0)).to_pydict().items()}
+    _rewrite(_iter(run, 1), lambda c: [c[k].append(row[k]) for k in c])
+    report = audit_run(run)
+    assert "used_once" in report.failed_checks()
+    assert any(v.check == "used_once" and v.sample_id == row["sample_id"] and "trained 2 times" in v.message
+               for v in report.violations)
+
+
+def test_row_removed_from_a_group(run):
+    _rewrite(_iter(run, 1), lambda c: [c[k].pop() for k in c])
+    report = audit_run(run)
+    assert "groups_complete" in report.failed_checks()
+    assert any("3 samples" in v.message for v in report.violations if v.check == "groups_complete")
+
+
+def test_group_mixing_two_prompts(run):
+    def mix(c):   # candidate 0 of the first group answers the second group's prompt
+        other = c["group_id"].index(next(g for g in c["group_id"] if g != c["group_id"][0]))
+        for k in ("prompt_id", "prompt_ids", "prompt_text", "response_ids", "response_text"):
+            c[k][0] = c[k][other]
+    _rewrite(_iter(run, 1), mix)
+    report = audit_run(run)
+    assert "groups_complete" in report.failed_checks()
+    assert any("mixes prompts" in v.message for v in report.violations)
+
+
+def test_stale_policy_version(run):
+    """Iteration 2 claims iteration 1's version (declared, of this run): the chain breaks."""
+    stale = pq.read_table(_iter(run, 1)).column("policy_version")[0].as_py()
+    _, stale_json = next(iter(json.loads(pq.read_table(_iter(run, 1)).schema.metadata[b"sealrl"])["versions"].items()))
+
+    def meta(m):
+        m["versions"][stale] = stale_json
+    _rewrite(_iter(run, 2), lambda c: c.update(policy_version=[stale] * len(c["policy_version"])), meta)
+    report = audit_run(run)
+    assert "policy_version" in report.failed_checks()
+    assert any("committed before this iteration" in v.message for v in report.violations)
+
+
+def test_mixed_policy_versions(run):
+    def edit(c):
+        c["policy_version"][0] = c["policy_version"][0].replace("@2.0#", "@1.0#")
+    _rewrite(_iter(run, 2), edit)
+    assert "policy_version" in _failed(run)
+
+
+def test_mask_of_wrong_length(run):
+    def edit(c):
+        c["response_mask"][2] = c["response_mask"][2][:-1]
+    _rewrite(_iter(run, 0), edit)
+    report = audit_run(run)
+    assert "masks" in report.failed_checks()
+    assert any("response_mask has length" in v.message for v in report.violations)
+
+
+def test_positive_log_prob(run):
+    def edit(c):
+        c["rollout_log_probs"][1] = [0.5] + c["rollout_log_probs"][1][1:]
+    _rewrite(_iter(run, 0), edit)
+    assert "masks" in _failed(run)
+
+
+def test_old_log_probs_from_the_reference(run):
+    def meta(m):
+        m["fields"]["old_log_probs"] = dict(m["fields"]["ref_log_probs"])
+    _rewrite(_iter(run, 1), meta_edit=meta)
+    report = audit_run(run)
+    assert "provenance" in report.failed_checks()
+    assert any("old_log_probs produced by 'reference'" in v.message for v in report.violations)
+
+
+@pytest.mark.parametrize("run", ["grpo_kl", "penalty"], indirect=True)
+def test_errored_reward_with_a_total(run):
+    def edit(c):
+        c["reward_status"][0] = "error"          # the total and the score stay
+    _rewrite(_iter(run, 0), edit)
+    report = audit_run(run)
+    assert "rewards" in report.failed_checks()
+    assert any("carries a total" in v.message for v in report.violations)
+
+
+def test_errored_reward_used_as_score(run):
+    """drop_group never trains on an errored sample, even one whose record is well formed."""
+    def edit(c):
+        c["reward_status"][0], c["reward_total"][0] = "timeout", None
+    _rewrite(_iter(run, 0), edit)
+    report = audit_run(run)
+    assert "rewards" in report.failed_checks()
+    assert any("reached the loss" in v.message for v in report.violations)
+
+
+@pytest.mark.parametrize("run", ["penalty"], indirect=True)
+def test_errored_reward_scored_other_than_the_penalty(run):
+    def edit(c):
+        i = c["reward_status"].index("error")
+        c["scores"][i] = 1.0
+    path = next(p for p in sorted((run / "experience").iterdir())
+                if "error" in pq.read_table(p).column("reward_status").to_pylist())
+    _rewrite(path, edit)
+    assert _failed(run) == ["rewards"]
+
+
+def test_ledger_row_missing(run):
+    _write_ledger(run, _ledger(run)[1:])
+    report = audit_run(run)
+    assert report.failed_checks() == ["ledger"]
+    assert any("no committed ledger row" in v.message for v in report.violations)
+
+
+@pytest.mark.parametrize("run", ["drop"], indirect=True)
+def test_dropped_group_without_reason(run):
+    rows = _ledger(run)
+    next(r for r in rows if r["status"] == "dropped")["reason"] = ""
+    _write_ledger(run, rows)
+    report = audit_run(run)
+    assert report.failed_checks() == ["ledger"]
+    assert any("dropped without a reason" in v.message for v in report.violations)
+
+
+def test_trained_group_recorded_as_dropped(run):
+    rows = _ledger(run)
+    rows[0].update(status="dropped", reason="made up")
+    _write_ledger(run, rows)
+    report = audit_run(run)
+    assert any("recorded as dropped but its samples were trained" in v.message for v in report.violations)
+
+
+def test_tampered_fact(run):
+    def edit(c):
+        c["rollout_log_probs"][3] = [x * 0.5 for x in c["rollout_log_probs"][3]]
+    _rewrite(_iter(run, 1), edit)
+    report = audit_run(run)
+    assert report.failed_checks() == ["seal"]
+    assert report.violations[0].iteration == 1 and "changed after sealing" in report.violations[0].message
+
+
+def test_unreadable_file_is_a_violation_not_a_crash(run):
+    _iter(run, 2).write_bytes(b"not parquet")
+    report = audit_run(run)
+    assert "seal" in report.failed_checks()
+
+
+def test_edited_config(run):
+    path = run / "config.yaml"
+    path.write_text(path.read_text().replace("reward_error: drop_group", "reward_error: penalty"))
+    assert "config" in _failed(run)
+
+
+# ---- command line ----------------------------------------------------------------------------
+
+def _cli(*argv) -> int:
+    parser = argparse.ArgumentParser(prog="sealrl")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(list(argv))
+    return args.fn(args)
+
+
+def test_cli_exit_status_and_summary(run, capsys):
+    assert _cli("audit", str(run)) == 0
+    out = capsys.readouterr().out
+    assert "3 iterations, 48 samples, 12 groups, 12 ledger rows" in out and "all 9 checks passed" in out
+    _write_ledger(run, _ledger(run)[1:])
+    assert _cli("audit", str(run)) == 1
+    out = capsys.readouterr().out
+    assert "ledger           1 violation(s)" in out and "[ledger] iteration 0" in out
+    assert _cli("audit", str(run), "--json", "--check", "ledger") == 1
+    assert json.loads(capsys.readouterr().out)["checks"] == {"ledger": 1}
+
+
+def test_not_a_run_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.yaml"):
+        audit_run(tmp_path)
