@@ -82,6 +82,8 @@ class SandboxResult:
     stdout_truncated: bool = False
     stderr_truncated: bool = False
     wall_s: float = 0.0
+    cpu_s: float | None = None
+    """CPU seconds the program's process used (with the children it reaped); None if unknown."""
     limit: str | None = None
     """Which limit ended it: "wall", "cpu", "file_size", or, read from stderr (best effort),
     "memory", "processes", "open_files"; None when none is known."""
@@ -224,7 +226,8 @@ def _run(config: dict, stdin: str, wall_s: float, max_output_bytes: int) -> Sand
     proc.stdout.close()
     proc.stderr.close()
     os.close(status_r)
-    return _verdict(streams, timed_out, proc.returncode, elapsed, max_output_bytes)
+    return _verdict(streams, timed_out, proc.returncode, elapsed, max_output_bytes,
+                    config["cpu_s"])
 
 
 def _drain(proc: subprocess.Popen, fds: dict[int, str], deadline: float,
@@ -280,7 +283,7 @@ _STDERR_LIMITS = (("MemoryError", "memory"), ("[Errno 11] Resource temporarily u
 
 
 def _verdict(streams: dict, timed_out: bool, launcher_code: int, elapsed: float,
-             max_output_bytes: int) -> SandboxResult:
+             max_output_bytes: int, cpu_limit: int) -> SandboxResult:
     reports = [json.loads(line) for line in bytes(streams["status"]).decode().splitlines()
                if line.startswith("{")]
     report = {k: v for r in reports for k, v in r.items()}
@@ -294,7 +297,7 @@ def _verdict(streams: dict, timed_out: bool, launcher_code: int, elapsed: float,
     stderr, stderr_cut = text("stderr")
     if "refused" in report:
         return _refused(report["refused"], elapsed)
-    code = report.get("exit_code")
+    code, cpu = report.get("exit_code"), report.get("cpu_s")
     if timed_out:
         status, limit = SandboxStatus.TIMEOUT, "wall"
     elif code is None:  # the launcher died without reporting (killed from outside)
@@ -302,19 +305,22 @@ def _verdict(streams: dict, timed_out: bool, launcher_code: int, elapsed: float,
                         f"stderr: {stderr[-300:]!r}", elapsed)
     elif code < 0:
         status, limit = SandboxStatus.KILLED, _SIGNAL_LIMITS.get(-code)
+        if code == -signal.SIGKILL and cpu is not None and cpu >= cpu_limit:
+            limit = "cpu"  # the hard limit: it ignored (or handled) SIGXCPU
     else:
         status = SandboxStatus.OK if code == 0 else SandboxStatus.ERROR
         limit = next((name for needle, name in _STDERR_LIMITS if needle in stderr), None) \
             if code else None
     return SandboxResult(status=status, exit_code=code, stdout=stdout, stderr=stderr,
                          stdout_truncated=stdout_cut, stderr_truncated=stderr_cut,
-                         wall_s=elapsed, limit=limit, weakened=weakened)
+                         wall_s=elapsed, cpu_s=cpu, limit=limit, weakened=weakened)
 
 
 # The launcher runs as root in a fresh `python -I -S -B`, so no state of the caller (threads,
-# signal handlers, imported modules) is involved: it makes the namespaces and mounts, forks the
-# code's process (pid 1 of the new pid namespace), which sets its limits, drops privileges and
-# execs the code; the launcher waits for it and reports its exit status on the status pipe.
+# signal handlers, imported modules) is involved: it makes the namespaces and mounts and forks
+# `init` (pid 1 of the new pid namespace), which forks the code's process: that one sets its
+# limits, drops privileges and execs the code. init reports the code's exit status and CPU time
+# on the status pipe. Each process dies with its parent (PDEATHSIG).
 _LAUNCHER = r'''
 import ctypes, errno, json, os, resource, select, signal, sys
 cfg = json.loads(sys.argv[1])
@@ -359,13 +365,14 @@ workdir, uid = cfg["workdir"], cfg["uid"]
 try:
     if have["mount"]:
         mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount reaches the host
+        with open(os.path.join(workdir, "main.py"), "rb") as f:
+            code = f.read()
+        os.unlink(os.path.join(workdir, "main.py"))  # a killed caller leaves an empty folder
         class MountAttr(ctypes.Structure):
             _fields_ = [(n, ctypes.c_uint64) for n in ("set", "clr", "propagation", "userns")]
         attr = MountAttr(MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0, 0, 0)
         check(libc.syscall(SYS_mount_setattr, AT_FDCWD, b"/", AT_RECURSIVE, ctypes.byref(attr),
                            ctypes.sizeof(attr)), "mount_setattr(/, read-only, recursive)")
-        with open(os.path.join(workdir, "main.py"), "rb") as f:
-            code = f.read()
         owner = f",uid={uid},gid={uid}" if uid is not None else ""
         mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV,
               f"size={cfg['tmpfs_mb']}m,nr_inodes=256,mode=0700{owner}")
@@ -391,17 +398,25 @@ if weakened and not cfg["allow_weak"]:
     refuse("isolation not available here (pass allow_weak=True to run without it): "
            + "; ".join(weakened))
 report(weakened=weakened)
-lifeline_r, lifeline_w = os.pipe()  # the child sees EOF here once this launcher is gone
-pid = os.fork()
-if pid:
-    os.close(lifeline_r)
-    _, wait_status = os.waitpid(pid, 0)
-    report(exit_code=os.waitstatus_to_exitcode(wait_status))
-    os._exit(0)
-try:  # the code's process: pid 1 of the new pid namespace when there is one
-    os.close(lifeline_w)
-    if have["pid"] and have["mount"]:
-        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)  # this namespace only
+def spawn(child):
+    """Fork; the child runs child(lifeline) and must not return. The lifeline reads EOF once
+    this process is gone, which the child checks after arming PDEATHSIG."""
+    lifeline_r, lifeline_w = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(lifeline_r)
+        return pid
+    try:
+        os.close(lifeline_w)
+        check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
+        if select.select([lifeline_r], [], [], 0)[0]:
+            os._exit(124)
+        child(lifeline_r)
+    except BaseException as e:
+        refuse(f"sandbox child set-up failed: {type(e).__name__}: {e}")
+    os._exit(124)
+
+def run_code(lifeline_r):
     limits = ((resource.RLIMIT_CPU, cfg["cpu_s"], cfg["cpu_s"] + 1),
               (resource.RLIMIT_AS, cfg["memory_bytes"], cfg["memory_bytes"]),
               (resource.RLIMIT_FSIZE, cfg["file_bytes"], cfg["file_bytes"]),
@@ -419,7 +434,7 @@ try:  # the code's process: pid 1 of the new pid namespace when there is one
         if os.getuid() != uid or os.geteuid() != uid:
             raise OSError(errno.EPERM, "uid change did not take")
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
-    # The uid change cleared PDEATHSIG: set it now, then make sure the launcher still lives.
+    # The uid change cleared PDEATHSIG: arm it again, then make sure the parent still lives.
     check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
     if select.select([lifeline_r], [], [], 0)[0]:
         os._exit(124)
@@ -427,6 +442,20 @@ try:  # the code's process: pid 1 of the new pid namespace when there is one
            "HOME": workdir, "TMPDIR": workdir}  # -I ignores PYTHON* variables anyway
     py = cfg["python"]
     os.execve(py, [py, "-I", "-S", "-B", "main.py"], env)
-except BaseException as e:
-    refuse(f"sandbox child set-up failed: {type(e).__name__}: {e}")
+
+def init(lifeline_r):
+    # pid 1 of the new pid namespace (root, no limits): its exit makes the kernel kill every
+    # process left in the namespace. The code runs as its child, not as pid 1, because pid 1
+    # ignores signals it has no handler for, SIGXCPU and SIGXFSZ included. Reaps orphans.
+    if have["pid"] and have["mount"]:
+        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)  # this namespace only
+    code_pid = spawn(run_code)
+    while True:
+        pid, wait_status, usage = os.wait4(-1, 0)
+        if pid == code_pid:
+            report(exit_code=os.waitstatus_to_exitcode(wait_status),
+                   cpu_s=usage.ru_utime + usage.ru_stime)
+            os._exit(0)
+
+os.waitpid(spawn(init), 0)
 '''
