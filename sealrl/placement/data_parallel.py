@@ -1,0 +1,245 @@
+"""Data-parallel training steps with torch.distributed (gloo on CPU, nccl on CUDA).
+
+One optimizer step on N ranks must equal the same step on one process (DESIGN section 9.4):
+
+1. Shard by sample id: every rank takes `split_ids(batch.sample_ids, N)[rank]`, a contiguous
+   range of the SORTED sample ids (join.py). Positions in the driver's tensors and completion
+   order play no part, so every rank computes the same split without talking.
+2. Global normaliser: each rank counts its shard's valid tokens and non-empty rows and the
+   counts are all-reduced (SUM) before any forward (`global_normaliser`). Each rank's loss is
+   then its *share* of the global loss (algos.losses.aggregate), and the shares add up to the
+   one-process loss. A per-rank normaliser would weight a short shard's tokens more: wrong.
+3. Gradients: because the shares already add up, the global gradient is the SUM of the ranks'
+   gradients. We all-reduce with SUM by hand (`all_reduce_grads`, one flat buffer) rather than
+   wrap the model in DDP: DDP AVERAGES (it would need every share scaled by N), and with
+   several micro-batch backward passes per step it needs `no_sync()` on all but the last one;
+   a single explicit collective after the last backward is simpler and does the same
+   communication. Ranks with an empty shard still join the collective (zero gradients).
+4. Same optimizer step everywhere: after the all-reduce every rank holds the same gradient, so
+   the same clip and step keep the weights identical; `assert_replicas_identical` checks it
+   by checksum (all ranks' sha256 of the weights must agree) and names the rank that differs.
+5. Seeds: `rank_seed(run_seed, rank)` derives each rank's stream (dropout etc.) from the run
+   seed; the minibatch order is NOT per-rank: it is drawn on the whole batch from the shared
+   seed, then each minibatch is sharded by id.
+
+FSDP2 (`torch.distributed.fsdp.fully_shard`) is not used yet: see docs/placement notes in the
+issue report. `launch` runs a function on N local processes (tests, single-machine runs).
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from sealrl import algos
+from sealrl.experience import ExperienceBatch
+from sealrl.models.logprobs import response_log_probs
+from sealrl.placement.join import split_ids
+from sealrl.roles.common import pad_width
+from sealrl.sync.manifest import tensor_sha256
+
+
+def rank_seed(run_seed: int, rank: int) -> int:
+    """A 63-bit seed for `rank`, derived from the run seed (never random, never rank-shared)."""
+    h = hashlib.sha256(f"sealrl/rank-seed/{run_seed}/{rank}".encode()).digest()
+    return int.from_bytes(h[:8], "little") >> 1
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size); (0, 1) when torch.distributed is not initialised."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def shard_batch(batch: ExperienceBatch, rank: int, world_size: int) -> ExperienceBatch:
+    """This rank's shard: a contiguous range of the sorted sample ids (provenance kept)."""
+    return batch.select_ids(split_ids(batch.sample_ids, world_size)[rank])
+
+
+def global_normaliser(local_mask: torch.Tensor, mode: str, horizon: float) -> algos.LossNormaliser:
+    """The normaliser of the whole global batch from this rank's (b, T) mask: counts are
+    all-reduced (SUM). `horizon` must be given: a shard's padded width is not the batch's."""
+    m = local_mask.bool()
+    counts = torch.tensor([int(m.sum()), int(m.any(-1).sum())], dtype=torch.int64)
+    if world()[1] > 1:
+        counts = counts.to(_device())
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM)  # waits for every rank's counts
+    return algos.LossNormaliser(mode=mode, num_tokens=int(counts[0]), num_seqs=int(counts[1]),
+                                horizon=float(horizon))
+
+
+def all_reduce_grads(params: list[torch.nn.Parameter]) -> None:
+    """SUM every trainable parameter's gradient over ranks, in one flat buffer.
+    A parameter without a gradient (empty shard, unused branch) takes part as zeros."""
+    if world()[1] == 1:
+        return
+    params = [p for p in params if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)  # blocks until every rank has contributed
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+        offset += n
+
+
+def weights_checksum(model: torch.nn.Module) -> str:
+    """sha256 over (name, tensor sha256) of the state dict, in name order."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(f"{name}:{tensor_sha256(t)}".encode())
+    return h.hexdigest()
+
+
+class ReplicaMismatchError(RuntimeError):
+    """Data-parallel replicas hold different weights after a step."""
+
+
+def assert_replicas_identical(model: torch.nn.Module) -> str:
+    """Every rank's weights checksum must equal rank 0's; returns the checksum."""
+    mine = weights_checksum(model)
+    rank, size = world()
+    if size == 1:
+        return mine
+    sums: list[str | None] = [None] * size
+    dist.all_gather_object(sums, mine)
+    bad = [r for r, s in enumerate(sums) if s != sums[0]]
+    if bad:
+        raise ReplicaMismatchError(f"weights differ from rank 0 on ranks {bad} "
+                                   f"(rank 0 {sums[0][:12]}, rank {bad[0]} {sums[bad[0]][:12]})")
+    return mine
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyBackward:
+    """Backward pass of the clipped PPO loss on one shard, in micro-batches; each micro-batch's
+    loss is its share of the global normaliser, so nothing is divided afterwards."""
+
+    temperature: float
+    pad_id: int
+    micro_batch_size: int
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+
+    def __call__(self, model, shard: ExperienceBatch, norm: algos.LossNormaliser) -> dict[str, float]:
+        mask, old, adv = shard.get("response_mask"), shard.get("old_log_probs"), shard.get("advantages")
+        width, total = shard.num_response_tokens, 0.0
+        for start in range(0, len(shard), self.micro_batch_size):
+            sl = slice(start, start + self.micro_batch_size)
+            part = shard.samples[sl]
+            lp, _, _ = response_log_probs(model, [list(s.prompt_ids) for s in part],
+                                          [list(s.response_ids) for s in part],
+                                          temperature=self.temperature, pad_id=self.pad_id)
+            loss, _ = algos.ppo_clip_loss(pad_width(lp, width), old[sl], adv[sl], mask[sl], norm,
+                                          clip_low=self.clip_low, clip_high=self.clip_high)
+            loss.backward()
+            total += float(loss.detach())
+        return {"pg_loss_share": total}
+
+
+def data_parallel_step(model, optimizer, shard: ExperienceBatch, norm: algos.LossNormaliser,
+                       backward: Callable, grad_clip: float = 0.0) -> dict[str, float]:
+    """One optimizer step of this rank on its shard: backward (shares of the global loss),
+    SUM all-reduce of gradients, clip on the global gradient, step. Every rank calls it with
+    the same normaliser; it waits for all ranks in the all-reduce. Returns this rank's loss
+    share (sum over ranks = global loss) and the global gradient norm."""
+    optimizer.zero_grad(set_to_none=True)
+    stats = backward(model, shard, norm) if len(shard) else {}
+    params = [p for p in model.parameters() if p.requires_grad]
+    all_reduce_grads(params)
+    for p in params:  # one process with an empty batch: no grads at all
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf")))
+    if math.isfinite(grad_norm):  # same gradient on every rank: all skip or all step
+        optimizer.step()
+    return {**stats, "grad_norm": grad_norm}
+
+
+# ---- local multi-process launcher ---------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _entry(rank, world_size, port, backend, fn, args, results) -> None:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    try:
+        torch.set_num_threads(1)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size)
+        try:
+            value = fn(rank, world_size, *args)
+            buf = io.BytesIO()  # plain bytes: a tensor sent through the queue would live in
+            torch.save(value, buf)  # shared memory that vanishes when this process exits
+            results.put((rank, "ok", buf.getvalue()))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def launch(fn: Callable, world_size: int, *args, timeout_s: float = 120.0,
+           backend: str | None = None) -> list:
+    """Run `fn(rank, world_size, *args)` on `world_size` spawned processes joined in one
+    process group on 127.0.0.1; returns the results in rank order. `fn` and `args` must be
+    picklable (module-level). Waits at most `timeout_s` in all; a failure or a timeout kills
+    the processes started here and raises naming the rank."""
+    import torch.multiprocessing as mp
+
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, fn, args, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, object] = {}
+    try:
+        deadline = time.monotonic() + timeout_s
+        while len(out) < world_size:
+            try:
+                rank, status, value = results.get(timeout=0.5)
+            except queue.Empty:
+                missing = sorted(set(range(world_size)) - set(out))
+                dead = [r for r in missing if procs[r].exitcode is not None]
+                if dead:
+                    raise RuntimeError(f"data-parallel rank {dead[0]} exited with code "
+                                       f"{procs[dead[0]].exitcode} and no result") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"data-parallel ranks {missing} gave no result within {timeout_s}s") from None
+                continue
+            if status == "error":
+                raise RuntimeError(f"data-parallel rank {rank} failed:\n{value}")
+            out[rank] = torch.load(io.BytesIO(value), weights_only=False)  # our own children's bytes
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    return [out[r] for r in range(world_size)]
