@@ -84,7 +84,9 @@ print(json.dumps({
     "no_new_privs": status["NoNewPrivs"].strip(), "cap_eff": status["CapEff"].strip(),
     "procs": [p for p in os.listdir("/proc") if p.isdigit()], "cwd": os.getcwd(),
     "cwd_mode": oct(os.stat(".").st_mode & 0o777), "cwd_owner": os.stat(".").st_uid,
-    "env": dict(os.environ), "links": os.listdir("/sys/class/net"),
+    "env": dict(os.environ), "stdin_writable": os.access("/proc/self/fd/0", os.W_OK),
+    "ns": {n: os.readlink(f"/proc/self/ns/{n}") for n in ("net", "pid", "mnt", "ipc", "cgroup")},
+    "run": os.listdir("/run"),
 }))
 """
 
@@ -108,6 +110,8 @@ def test_probe_shows_limits_uid_and_namespaces_in_force():
     assert p["cwd_owner"] == uid
     assert set(p["env"]) == {"PATH", "LANG", "LC_ALL", "HOME", "TMPDIR"}
     assert p["env"]["HOME"] == p["cwd"]
+    assert all(link != os.readlink(f"/proc/self/ns/{n}") for n, link in p["ns"].items())
+    assert p["run"] == [] and p["stdin_writable"] is False
 
 
 # -- hostile programs ---------------------------------------------------------------------------
@@ -315,8 +319,8 @@ def test_refused_without_namespaces():
     assert got["strict"][0] == "refused" and "namespace: unshare failed" in got["strict"][1]
     status, stdout, weakened = got["weak"]
     assert status == "ok" and int(stdout) in SANDBOX_UIDS  # uid change still works
-    assert sorted(w.split(":")[0] for w in weakened) == ["mount namespace", "network namespace",
-                                                         "pid namespace"]
+    assert sorted(w.split(" namespace:")[0] for w in weakened) == ["cgroup", "ipc", "mount",
+                                                                   "network", "pid"]
     assert got["pool"][0] == "error" and "sandbox refused" in got["pool"][1]  # never a 0
 
 

@@ -12,10 +12,11 @@ and returns a SandboxResult; it never raises for anything the code does. What is
 - fresh namespaces, made by a small root launcher (`_LAUNCHER`) before it drops privileges:
   network (only a loopback, left down: every connect fails with ENETUNREACH), pid (the code is
   pid 1 of its namespace, so when it dies the kernel kills every process it started, even
-  ones that left the process group with setsid), and mount (a private /proc; every mount
-  read-only; /tmp, /var/tmp, /dev/shm and HIDDEN_PATHS covered by empty read-only tmpfs, so
-  world-readable files there, datasets included, are out of sight; the working folder is a
-  size-limited tmpfs, so writes never reach the host disk);
+  ones that left the process group with setsid), mount (a private /proc; every mount
+  read-only; /tmp, /var/tmp, /dev/shm, /run and HIDDEN_PATHS covered by empty read-only tmpfs,
+  so world-readable files there, datasets included, and host unix sockets are out of sight;
+  the working folder is a size-limited tmpfs, so writes never reach the host disk), ipc (no
+  System V or POSIX IPC objects shared with, or left on, the host) and cgroup;
 - a scrubbed environment (PATH, LANG, HOME = the working folder, nothing of the parent's);
 - a working folder made for the run (mode 0700, owned by the sandbox uid), removed afterwards;
 - a wall-clock deadline: SIGKILL to the whole process group (pid namespace included), reaped;
@@ -59,7 +60,7 @@ SANDBOX_UIDS = range(1_900_000_000, 1_900_004_096)
 HIDDEN_PATHS = ("/home", "/root", "/work", "/mnt", "/media", "/srv", "/opt")
 """Folders covered by an empty tmpfs inside the sandbox, besides /tmp, /var/tmp and /dev/shm."""
 _LOCK_DIR = "/run/sealrl-sandbox"  # root-only; one lock file per leased uid
-_SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+_SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")  # world-writable, or host sockets
 _REFUSED_EXIT = 125  # launcher exit code after it reported a refusal on the status pipe
 _REAP_GRACE_S = 2.0  # after a SIGKILL, how long the pipes may take to close
 
@@ -205,12 +206,14 @@ def _run(config: dict, stdin: str, wall_s: float, max_output_bytes: int) -> Sand
     start = time.monotonic()
     with tempfile.TemporaryFile() as stdin_file:  # a file, not a pipe: no writer to deadlock
         stdin_file.write(stdin.encode())
-        stdin_file.seek(0)
+        stdin_file.flush()
+        # The code gets a read-only descriptor of the (unlinked) file: no writes to host disk.
+        stdin_fd = os.open(f"/proc/self/fd/{stdin_file.fileno()}", os.O_RDONLY | os.O_CLOEXEC)
         config["status_fd"] = status_w
         try:
             proc = subprocess.Popen(
                 [config["python"], "-I", "-S", "-B", "-c", _LAUNCHER, json.dumps(config)],
-                stdin=stdin_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 pass_fds=(status_w,), start_new_session=True, cwd="/",
                 env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
         except OSError as e:
@@ -218,6 +221,7 @@ def _run(config: dict, stdin: str, wall_s: float, max_output_bytes: int) -> Sand
             return _refused(f"could not start the sandbox launcher: {e}")
         finally:
             os.close(status_w)
+            os.close(stdin_fd)
     streams = _drain(proc, {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr",
                             status_r: "status"}, start + wall_s, max_output_bytes)
     timed_out = streams.pop("timed_out")
@@ -330,7 +334,8 @@ libc = ctypes.CDLL(None, use_errno=True)
 libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
                        ctypes.c_char_p]
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
-CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x20000000, 0x40000000
+CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWIPC = 0x20000, 0x2000000, 0x8000000
+CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 SYS_mount_setattr, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 442, -100, 0x8000, 1, 2
@@ -357,7 +362,8 @@ if os.getppid() != cfg["parent_pid"]:
     os._exit(124)
 weakened = list(cfg["weakened"])
 have = {}
-for name, flag in (("mount", CLONE_NEWNS), ("network", CLONE_NEWNET), ("pid", CLONE_NEWPID)):
+for name, flag in (("mount", CLONE_NEWNS), ("network", CLONE_NEWNET), ("pid", CLONE_NEWPID),
+                   ("ipc", CLONE_NEWIPC), ("cgroup", CLONE_NEWCGROUP)):
     have[name] = libc.unshare(flag) == 0
     if not have[name]:
         weakened.append(f"{name} namespace: unshare failed: {os.strerror(ctypes.get_errno())}")
