@@ -1,0 +1,74 @@
+"""The stage timeline: `trace.json` (Chrome trace event format, opens in Perfetto or
+chrome://tracing) and the per-iteration share of wall time each stage takes.
+
+The synchronous loop runs its stages one after another, so the iteration's critical path is the
+sum of its stages: a stage's share of `time/iteration_s` is what removing it would save. Time
+not covered by a timed stage (driver bookkeeping, metrics, experience writes) is `other`."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+REQUIRED_EVENT_KEYS = ("name", "ph", "ts", "pid", "tid")
+_NOT_STAGES = ("time/iteration_s", "time/train_wall_s")
+
+
+def stage_seconds(metrics_row: dict) -> dict[str, float]:
+    """`time/<stage>_s` -> {stage: seconds}; totals and precomputed shares are not stages."""
+    out = {}
+    for key, value in metrics_row.items():
+        if (key.startswith("time/") and key.endswith("_s") and key not in _NOT_STAGES
+                and not key.startswith("time/share_") and isinstance(value, (int, float))):
+            out[key[len("time/"):-len("_s")]] = float(value)
+    return out
+
+
+def stage_breakdown(metrics_row: dict) -> dict[str, float]:
+    """{stage: seconds} plus `other` = iteration time not covered by a stage (clamped at 0)."""
+    out = stage_seconds(metrics_row)
+    total = metrics_row.get("time/iteration_s")
+    if isinstance(total, (int, float)):
+        out["other"] = max(0.0, total - sum(out.values()))
+    return out
+
+
+def stage_shares(metrics_row: dict) -> dict[str, float]:
+    """{stage: time/<stage>_s / time/iteration_s} plus `other` = 1 - sum (clamped at 0: stages
+    that overlap, as in asynchronous modes, can sum past 1). Empty when the row has no
+    positive iteration time."""
+    total = metrics_row.get("time/iteration_s")
+    if not isinstance(total, (int, float)) or total <= 0:
+        return {}
+    shares = {stage: s / total for stage, s in stage_seconds(metrics_row).items()}
+    shares["other"] = max(0.0, 1.0 - sum(shares.values()))
+    return shares
+
+
+def mean_stage_shares(rows: list[dict]) -> dict[str, float]:
+    """Stage shares of the whole run: summed stage seconds over summed iteration seconds, so a
+    slow iteration weighs more than a fast one. Sorted largest first."""
+    total = sum(r["time/iteration_s"] for r in rows if isinstance(r.get("time/iteration_s"), (int, float)))
+    summed: dict[str, float] = {}
+    for r in rows:
+        if isinstance(r.get("time/iteration_s"), (int, float)):
+            for stage, s in stage_seconds(r).items():
+                summed[stage] = summed.get(stage, 0.0) + s
+    shares = stage_shares({"time/iteration_s": total, **{f"time/{k}_s": v for k, v in summed.items()}})
+    return dict(sorted(shares.items(), key=lambda kv: -kv[1]))
+
+
+def read_trace(path: Path) -> list[dict]:
+    """The events of a trace.json; raises ValueError naming the first malformed event."""
+    data = json.loads(Path(path).read_text())
+    events = data.get("traceEvents") if isinstance(data, dict) else data  # both forms are valid
+    if not isinstance(events, list):
+        raise ValueError(f"{path}: no traceEvents list")
+    for i, e in enumerate(events):
+        missing = [k for k in REQUIRED_EVENT_KEYS if k not in e]
+        if missing:
+            raise ValueError(f"{path}: event {i} ({e.get('name')!r}) lacks {', '.join(missing)}")
+        if e["ph"] == "X" and not (isinstance(e.get("dur"), (int, float)) and e["dur"] >= 0):
+            raise ValueError(f"{path}: complete event {i} ({e['name']!r}) needs a duration >= 0")
+        if not isinstance(e["ts"], (int, float)):
+            raise ValueError(f"{path}: event {i} ({e['name']!r}) has a non-numeric ts")
+    return events
