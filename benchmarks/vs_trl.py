@@ -1,0 +1,236 @@
+"""One GRPO iteration, sealrl against TRL's GRPOTrainer: same model, prompts, settings, machine.
+
+Workload (both sides): the embedded warm start `sealrl/assets/arith-tiny` (1.07M-parameter
+Llama, char tokenizer), prompts of the embedded task (`sealrl.data.tasks.EMBEDDED_TASK`, chat
+template applied), 16 prompts x 8 completions per step, up to --max-new-tokens new tokens,
+temperature 1.0 (no top-k/top-p), reward 1/0 exact match of the arithmetic answer, group-normalised
+advantages, PPO-clip 0.2 token-mean loss (TRL's default `dapo`), KL to a frozen reference model
+(k3 in the loss, beta 0.04), one AdamW step per batch at a constant lr 1e-4, grad clip 1.0, fp32,
+no bf16, no gradient checkpointing, the whole 128-sample batch in one forward/backward.
+
+- sealrl: `train()` with the config below; per-iteration times are `time/iteration_s` of its
+  metrics.jsonl (generation, reward, reference, old log-probs, update, weight sync). sealrl
+  runs its default `algorithm.old_log_prob=recompute`: one extra actor forward before the update.
+- TRL: `GRPOTrainer` given the model folder (it rebuilds the reference model from it);
+  per-step times are on_step_begin -> on_step_end of a callback (generation, reward,
+  reference, update). With num_iterations=1 TRL takes the old log-probs from the update's own
+  forward, so it runs no old-log-prob forward.
+Both run in this one process, one after the other, with the same torch thread count; the first
+--warmup steps of each are excluded and the median of the rest is reported. With --rounds R
+the pair (sealrl, then TRL, each from scratch) runs R times and the timed steps are pooled, so
+that load from other processes on a shared machine drifts over both sides alike.
+
+Useful model FLOPs per step (N = number of model parameters, P_i / R_i = prompt / response
+tokens of sample i, T = sum_i (P_i + R_i)):
+
+    F = 2 N (sum_groups P + sum_i R_i)      generation (a prompt is prefilled once per group)
+      + 2 N T                               reference log-probs
+      + 2 N T   if the side runs an old-log-prob forward (sealrl: yes, TRL: no)
+      + 6 N T                               policy update (forward + backward)
+
+`useful_gflops` = F / median step time / 1e9, and `frac_of_matmul` = that / this machine's fp32
+matmul throughput at the same thread count (median of 1024x1024x1024 matmuls, measured here).
+`ratio` = TRL median step time / sealrl median step time.
+
+Run:
+    .venv/bin/python benchmarks/vs_trl.py --max-new-tokens 16 --steps 30 --threads 2
+    .venv/bin/python benchmarks/vs_trl.py --max-new-tokens 64 --steps 30 --threads 2
+Needs the `bench` extra (`pip install -e .[bench]`: trl, datasets, accelerate). The last line
+printed is JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+# Idle OpenMP workers must sleep, not spin (see benchmarks/rollout.py); set before torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+from sealrl.data.tasks import EMBEDDED_TASK  # noqa: E402
+from sealrl.rewards.verifiers import answer_text  # noqa: E402
+
+MODEL = Path(__file__).resolve().parent.parent / "sealrl" / "assets" / "arith-tiny"
+PROMPTS, N_GEN, BETA, LR, NUM_TRAIN, SEED = 16, 8, 0.04, 1e-4, 2000, 0
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--max-new-tokens", type=int, default=16, choices=(16, 64))
+    p.add_argument("--steps", type=int, default=30, help="steps per side, warm-up included")
+    p.add_argument("--warmup", type=int, default=3, help="first steps excluded from the median")
+    p.add_argument("--threads", type=int, default=2, help="torch threads for both sides")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="fresh sealrl-then-TRL runs; their timed steps are pooled (spreads load drift)")
+    p.add_argument("--skip", choices=("sealrl", "trl"), default=None, help="run one side only")
+    return p.parse_args()
+
+
+def matmul_gflops(repeats: int = 9) -> float:
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    times = []
+    for _ in range(repeats + 2):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - t0)
+    return 2 * 1024 ** 3 / statistics.median(times[2:]) / 1e9
+
+
+def num_params() -> int:
+    from sealrl.models.hf import load_causal_lm
+    model, _ = load_causal_lm(MODEL)
+    return sum(p.numel() for p in model.parameters())
+
+
+def step_flops(n: int, prompt_tokens: list[int], response_tokens: list[float], old_forward: bool) -> float:
+    """Useful FLOPs of one step (the formula of the module docstring); one list entry per sample."""
+    total = sum(prompt_tokens) + sum(response_tokens)
+    generation = sum(prompt_tokens) / N_GEN + sum(response_tokens)   # one prefill per group
+    return 2 * n * generation + 2 * n * total + (2 * n * total if old_forward else 0) + 6 * n * total
+
+
+# ---- sealrl -------------------------------------------------------------------------------
+
+def run_sealrl(args, workdir: Path, name: str) -> dict:
+    from sealrl.experience.store import read_iteration
+    from sealrl.obs.metrics import read_metrics
+    from sealrl.trainer.config import build_config
+    from sealrl.trainer.driver import train
+    cfg = build_config(None, [
+        f"run.output_dir={workdir}", f"run.name={name}", f"run.iterations={args.steps}", "run.progress=false",
+        "run.loggers=", f"run.threads={args.threads}", f"run.seed={SEED}", "eval.num=16",
+        "data.task=arith", f"data.num_train={NUM_TRAIN}", f"data.prompts_per_iter={PROMPTS}",
+        f"rollout.n={N_GEN}", "rollout.temperature=1.0", f"rollout.max_new_tokens={args.max_new_tokens}",
+        "algorithm.name=grpo", f"algorithm.kl_coef={BETA}", "algorithm.kl_in=loss", "algorithm.kl_estimator=k3",
+        f"actor.lr={LR}", "actor.lr_schedule=constant", "actor.loss=ppo", "actor.loss_agg=token-mean",
+        "actor.clip_low=0.2", "actor.clip_high=0.2", "actor.grad_clip=1.0", "actor.micro_batch_size=128",
+    ])
+    train(cfg)
+    run = workdir / name
+    rows = read_metrics(run)[args.warmup:]
+    times = [r["time/iteration_s"] for r in rows]
+    stages = {k: [r[k] for r in rows] for k in rows[0] if k.startswith("time/") and k.endswith("_s")
+              and k not in ("time/iteration_s", "time/train_wall_s")}
+    prompt_tokens, response_tokens = [], []
+    for r in rows:
+        batch = read_iteration(run / "experience" / f"iter_{r['iteration']:06d}.parquet")
+        prompt_tokens.append([len(s.prompt_ids) for s in batch.samples])
+        response_tokens.append([len(s.response_ids) for s in batch.samples])
+    return {"times": times, "stages": stages, "prompt_tokens": prompt_tokens,
+            "response_tokens": response_tokens}
+
+
+# ---- TRL ----------------------------------------------------------------------------------
+
+def exact_match(completions, ground_truth, **_) -> list[float]:
+    """1.0 when the answer text equals the ground truth: sealrl's ArithmeticExactMatch rule."""
+    return [float(answer_text(c[0]["content"]) == str(t).strip()) for c, t in zip(completions, ground_truth)]
+
+
+def run_trl(args, workdir: Path, name: str) -> dict:
+    from datasets import Dataset
+    from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    rows = EMBEDDED_TASK.train_rows(NUM_TRAIN, SEED)
+    data = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": str(r["reward_model"]["ground_truth"])}
+                              for r in rows])
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    prompt_len = [len(tokenizer.apply_chat_template(r["prompt"], tokenize=True, add_generation_prompt=True,
+                                                    return_dict=True)["input_ids"]) for r in rows[:64]]
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.times, self.lengths, self._t0 = [], [], 0.0
+
+        def on_step_begin(self, *a, **k):
+            self._t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            self.times.append(time.perf_counter() - self._t0)
+
+        def on_log(self, _args, _state, _control, logs=None, **k):
+            if logs and "completions/mean_length" in logs:
+                self.lengths.append(logs["completions/mean_length"])
+
+    config = GRPOConfig(
+        output_dir=str(workdir / name), use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        per_device_train_batch_size=PROMPTS * N_GEN, gradient_accumulation_steps=1, num_generations=N_GEN,
+        max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, beta=BETA,
+        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch", weight_decay=0.0,
+        max_grad_norm=1.0, loss_type="dapo", epsilon=0.2, num_iterations=1, max_steps=args.steps,
+        logging_steps=1, save_strategy="no", report_to="none", seed=SEED, dataloader_num_workers=0,
+        disable_tqdm=True, log_completions=False)
+    clock = Clock()
+    trainer = GRPOTrainer(model=str(MODEL), reward_funcs=exact_match, args=config, train_dataset=data,
+                          processing_class=tokenizer, callbacks=[clock])
+    trainer.remove_callback(PrinterCallback)   # no per-step log dicts on stdout
+    trainer.train()
+    prompt_mean = statistics.mean(prompt_len)   # the embedded prompts all have one length
+    times = clock.times[args.warmup:]
+    lengths = clock.lengths[args.warmup:len(clock.times)]
+    return {"times": times, "prompt_tokens": [[prompt_mean] * PROMPTS * N_GEN for _ in lengths],
+            "response_tokens": [[m] * PROMPTS * N_GEN for m in lengths]}
+
+
+# ---- report -------------------------------------------------------------------------------
+
+def pooled(results: list[dict]) -> dict:
+    out = {k: [x for r in results for x in r[k]] for k in ("times", "prompt_tokens", "response_tokens")}
+    if "stages" in results[0]:
+        out["stages"] = {k: statistics.median(x for r in results for x in r["stages"][k])
+                         for k in results[0]["stages"]}
+    return out
+
+
+def summarise(result: dict, n: int, old_forward: bool, peak: float) -> dict:
+    med = statistics.median(result["times"])
+    flops = statistics.mean(step_flops(n, p, r, old_forward)
+                            for p, r in zip(result["prompt_tokens"], result["response_tokens"]))
+    out = {"median_step_s": round(med, 4), "steps_timed": len(result["times"]),
+           "completions_per_s": round(PROMPTS * N_GEN / med, 1),
+           "mean_prompt_tokens": round(statistics.mean(x for r in result["prompt_tokens"] for x in r), 2),
+           "mean_response_tokens": round(statistics.mean(x for r in result["response_tokens"] for x in r), 2),
+           "useful_gflops": round(flops / med / 1e9, 2), "frac_of_matmul": round(flops / med / 1e9 / peak, 3)}
+    if "stages" in result:
+        out["stages_median_s"] = {k: round(v, 4) for k, v in result["stages"].items()}
+    return out
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]
+    peak = matmul_gflops()
+    n = num_params()
+    report = {"max_new_tokens": args.max_new_tokens, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
+              "threads": args.threads, "params": n, "matmul_gflops": round(peak, 1),
+              "torch": torch.__version__}
+    runs: dict[str, list[dict]] = {"sealrl": [], "trl": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.rounds):
+            if args.skip != "sealrl":
+                runs["sealrl"].append(run_sealrl(args, Path(tmp), f"sealrl{i}"))
+                torch.set_num_threads(args.threads)   # train() restores the caller's count; be explicit
+            if args.skip != "trl":
+                runs["trl"].append(run_trl(args, Path(tmp), f"trl{i}"))
+    if runs["sealrl"]:
+        report["sealrl"] = summarise(pooled(runs["sealrl"]), n, True, peak)
+    if runs["trl"]:
+        import trl
+        report["trl_version"] = trl.__version__
+        report["trl"] = summarise(pooled(runs["trl"]), n, False, peak)
+    if "sealrl" in report and "trl" in report:
+        report["ratio"] = round(report["trl"]["median_step_s"] / report["sealrl"]["median_step_s"], 2)
+    report["load_avg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
