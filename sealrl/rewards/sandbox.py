@@ -127,8 +127,7 @@ def run_sandboxed(code: str, stdin: str = "", *, cpu_s: int = 2, wall_s: float =
             os.chmod(workdir, 0o700)
             config = {"parent_pid": os.getpid(), "python": python, "workdir": workdir,
                       "uid": uid, "allow_weak": allow_weak, "weakened": weakened,
-                      "masks": [p for p in (*_SCRATCH_DIRS, *hidden_paths)
-                                if os.path.isdir(p) and not os.path.islink(p)],
+                      "masks": _masks(hidden_paths),
                       "tmpfs_mb": 4 * file_size_mb, "cpu_s": int(cpu_s),
                       "memory_bytes": int(memory_mb) << 20, "file_bytes": int(file_size_mb) << 20,
                       "max_open_files": int(max_open_files), "max_processes": int(max_processes)}
@@ -137,6 +136,16 @@ def run_sandboxed(code: str, stdin: str = "", *, cpu_s: int = 2, wall_s: float =
             if uid is not None:
                 _kill_uid(uid)  # belt and braces: the pid namespace already took them all
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _masks(hidden_paths: Sequence[str]) -> list[str]:
+    """Existing folders to cover, outermost only (a mount inside an empty tmpfs has no target)."""
+    out: list[str] = []
+    for p in sorted({os.path.normpath(p) for p in (*_SCRATCH_DIRS, *hidden_paths)}):
+        if os.path.isdir(p) and not os.path.islink(p) \
+                and not any(p.startswith(q.rstrip("/") + "/") for q in out):
+            out.append(p)
+    return out
 
 
 def _refused(message: str, wall_s: float = 0.0) -> SandboxResult:
@@ -367,42 +376,56 @@ for name, flag in (("mount", CLONE_NEWNS), ("network", CLONE_NEWNET), ("pid", CL
     have[name] = libc.unshare(flag) == 0
     if not have[name]:
         weakened.append(f"{name} namespace: unshare failed: {os.strerror(ctypes.get_errno())}")
-workdir, uid = cfg["workdir"], cfg["uid"]
-try:
-    if have["mount"]:
-        mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount reaches the host
-        with open(os.path.join(workdir, "main.py"), "rb") as f:
-            code = f.read()
-        os.unlink(os.path.join(workdir, "main.py"))  # a killed caller leaves an empty folder
-        class MountAttr(ctypes.Structure):
-            _fields_ = [(n, ctypes.c_uint64) for n in ("set", "clr", "propagation", "userns")]
-        attr = MountAttr(MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0, 0, 0)
-        check(libc.syscall(SYS_mount_setattr, AT_FDCWD, b"/", AT_RECURSIVE, ctypes.byref(attr),
-                           ctypes.sizeof(attr)), "mount_setattr(/, read-only, recursive)")
-        owner = f",uid={uid},gid={uid}" if uid is not None else ""
-        mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV,
-              f"size={cfg['tmpfs_mb']}m,nr_inodes=256,mode=0700{owner}")
-        with open(os.path.join(workdir, "main.py"), "wb") as f:
-            f.write(code)
-        if uid is not None:
-            os.chown(os.path.join(workdir, "main.py"), uid, uid)
-        os.chdir(workdir)  # the cwd keeps this mount when /tmp is covered below
-        for p in cfg["masks"]:
-            mount("tmpfs", p, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64k,nr_inodes=64,mode=0755")
-        if not os.path.exists(workdir):  # covered by a mask: bring it back
-            os.makedirs(workdir)
-            mount(".", workdir, None, MS_BIND)
-        for p in cfg["masks"]:
-            mount(None, p, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    os.chdir(workdir)
-except OSError as e:
-    if not cfg["allow_weak"]:
-        refuse(f"sandbox set-up failed: {e}")
-    weakened.append(f"mounts: {e}")
-    os.chdir(workdir)
 if weakened and not cfg["allow_weak"]:
     refuse("isolation not available here (pass allow_weak=True to run without it): "
            + "; ".join(weakened))
+workdir, uid = cfg["workdir"], cfg["uid"]
+# The caller's folder is only a staging area: take the code and remove it, so that nothing of
+# the run stays on the host even if the caller is SIGKILLed (it removes whatever comes back).
+with open(os.path.join(workdir, "main.py"), "rb") as f:
+    code = f.read()
+os.unlink(os.path.join(workdir, "main.py"))
+os.rmdir(workdir)
+
+def make_workdir(path, on_tmpfs):
+    if on_tmpfs:  # size-limited: what the code writes never reaches the host disk
+        os.makedirs(path)
+        owner = f",uid={uid},gid={uid}" if uid is not None else ""
+        mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV,
+              f"size={cfg['tmpfs_mb']}m,nr_inodes=256,mode=0700{owner}")
+    else:
+        os.mkdir(path, 0o700)
+    with open(os.path.join(path, "main.py"), "wb") as f:
+        f.write(code)
+    if uid is not None:
+        os.chown(path, uid, uid)
+        os.chown(os.path.join(path, "main.py"), uid, uid)
+    os.chdir(path)
+    return path
+
+try:
+    if not have["mount"]:
+        raise OSError(errno.EPERM, "no mount namespace")
+    mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted below reaches the host
+    class MountAttr(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_uint64) for n in ("set", "clr", "propagation", "userns")]
+    attr = MountAttr(MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0, 0, 0)
+    check(libc.syscall(SYS_mount_setattr, AT_FDCWD, b"/", AT_RECURSIVE, ctypes.byref(attr),
+                       ctypes.sizeof(attr)), "mount_setattr(/, read-only, recursive)")
+    for p in cfg["masks"]:
+        mount("tmpfs", p, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64k,nr_inodes=64,mode=0755")
+    workdir = make_workdir(os.path.join("/tmp", os.path.basename(workdir)), True)
+    for p in cfg["masks"]:
+        mount(None, p, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+except OSError as e:
+    if not cfg["allow_weak"]:
+        refuse(f"sandbox set-up failed: {e}")
+    if have["mount"]:
+        weakened.append(f"mounts: {e}")
+    try:
+        workdir = make_workdir(workdir, False)  # on the host; the caller removes it
+    except OSError as e:
+        refuse(f"sandbox set-up failed (weak mode): {e}")
 report(weakened=weakened)
 def spawn(child):
     """Fork; the child runs child(lifeline) and must not return. The lifeline reads EOF once
