@@ -2,17 +2,21 @@
 log-probs; the policy loss, backward and optimizer steps. It never samples."""
 from __future__ import annotations
 
+import copy
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
-from sealrl import algos
+from sealrl import algos, faults
 from sealrl.experience import ExperienceBatch, PolicyVersion, Role
 from sealrl.models.hf import model_config_hash
 from sealrl.models.logprobs import response_log_probs
 from sealrl.roles.common import batch_log_probs, pad_width
 from sealrl.sync.manifest import WeightManifest, build_manifest
-from sealrl.trainer.config import ActorConfig, AlgorithmConfig
+
+if TYPE_CHECKING:  # roles never import the trainer at run time (import direction)
+    from sealrl.trainer.config import ActorConfig, AlgorithmConfig
 
 
 def lr_at(step: int, base: float, warmup: int, schedule: str, total: int, min_ratio: float) -> float:
@@ -41,6 +45,7 @@ class ActorWorker:
         self.step = 0           # committed optimizer steps
         self.attempt = 0        # tries of the current update (a rolled-back update retries)
         self.skipped_steps = 0  # optimizer steps skipped for a non-finite gradient
+        self.iteration = 0      # the iteration being updated (names fault-injection points)
 
     # ---- versions and export ------------------------------------------------------------
     def export(self) -> tuple[dict[str, torch.Tensor], WeightManifest]:
@@ -58,10 +63,23 @@ class ActorWorker:
         lp, _ = batch_log_probs(self.model, batch, self.temperature, self.pad_id, self.cfg.micro_batch_size)
         batch.put("old_log_probs", lp, Role.ACTOR, version.id)
 
+    # ---- rollback -----------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """The committed state (weights, optimizer, counters) to restore if an update fails."""
+        return {"model": copy.deepcopy(self.model.state_dict()), "optim": copy.deepcopy(self.optimizer.state_dict()),
+                "step": self.step, "skipped": self.skipped_steps}
+
+    def restore(self, snap: dict) -> None:
+        self.model.load_state_dict(snap["model"])
+        self.optimizer.load_state_dict(snap["optim"])
+        self.step, self.skipped_steps = snap["step"], snap["skipped"]
+        self.optimizer.zero_grad(set_to_none=True)
+
     # ---- update -------------------------------------------------------------------------
     def update(self, batch: ExperienceBatch, version: PolicyVersion, iteration: int, seed: int) -> dict:
         """UPDATING_FROM(v): minibatch optimizer steps over `ppo_epochs` passes."""
         cfg, algo = self.cfg, self.algo
+        self.iteration = iteration
         old = batch.get("old_log_probs", version=version.id)
         adv = batch.get("advantages")
         mask = self._loss_mask(batch, old)
@@ -117,6 +135,7 @@ class ActorWorker:
                 totals[k] = totals.get(k, 0.0) + float(v) * share
         clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        faults.point("before_optimizer_step", self.iteration)
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             self.skipped_steps += 1

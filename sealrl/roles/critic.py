@@ -2,7 +2,9 @@
 optimizer. Not a reward model: it predicts returns, it does not score responses."""
 from __future__ import annotations
 
+import copy
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,7 +13,9 @@ from sealrl.experience import ExperienceBatch, Role
 from sealrl.models.critic import CriticModel
 from sealrl.roles.actor import lr_at
 from sealrl.roles.common import pad_width
-from sealrl.trainer.config import CriticConfig
+
+if TYPE_CHECKING:  # roles never import the trainer at run time (import direction)
+    from sealrl.trainer.config import CriticConfig
 
 
 class CriticWorker:
@@ -43,6 +47,16 @@ class CriticWorker:
         values = torch.cat(vals).cpu().masked_fill(~batch.token_mask(), 0.0)
         batch.put("values", values, Role.CRITIC, self.version)
         batch.put("last_values", torch.cat(lasts).cpu(), Role.CRITIC, self.version)
+
+    def snapshot(self) -> dict:
+        return {"model": copy.deepcopy(self.model.state_dict()), "optim": copy.deepcopy(self.optimizer.state_dict()),
+                "step": self.step}
+
+    def restore(self, snap: dict) -> None:
+        self.model.load_state_dict(snap["model"])
+        self.optimizer.load_state_dict(snap["optim"])
+        self.step = snap["step"]
+        self.optimizer.zero_grad(set_to_none=True)
 
     def update(self, batch: ExperienceBatch) -> dict[str, float]:
         """One pass of value-loss steps over the whole batch (global normaliser)."""

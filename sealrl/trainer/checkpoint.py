@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from sealrl import faults
+
 MARKER = "COMMITTED"
 LATEST = "latest"
 
@@ -69,6 +71,7 @@ def save_checkpoint(root: Path, step: int, tensors: dict[str, dict[str, torch.Te
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
     for p in files:
         _fsync_file(p)
+    faults.point("checkpoint_before_marker", step)
     marker = {"step": step, "files": {str(p.relative_to(tmp)): _sha256(p) for p in files}}
     (tmp / MARKER).write_text(json.dumps(marker, sort_keys=True, indent=1))  # written last
     _fsync_file(tmp / MARKER)
@@ -77,6 +80,7 @@ def save_checkpoint(root: Path, step: int, tensors: dict[str, dict[str, torch.Te
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(root)
+    faults.point("checkpoint_after_marker", step)
     pointer = root / f"{LATEST}.tmp"
     pointer.write_text(final.name)
     _fsync_file(pointer)

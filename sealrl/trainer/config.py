@@ -42,6 +42,7 @@ class RunConfig:
     eval_every: int = 0                    # iterations between held-out evaluations; 0 = before/after only
     max_wall_s: float = 0.0                # stop after this much training time (0 = no limit)
     threads: int = 0                       # torch threads (0 = leave torch's default)
+    update_retries: int = 1                # a failed update is rolled back and tried again this often
     progress: bool = True                  # live progress bar on stderr
     loggers: str = "tensorboard"           # comma list beyond metrics.jsonl: tensorboard, wandb, mlflow ("" = none)
 

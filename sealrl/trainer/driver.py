@@ -13,18 +13,20 @@ import time
 import torch
 
 from sealrl import algos
-from sealrl.experience import ExperienceBatch, Role, SampleMeta, SamplingContract, pad_token_rows
+from sealrl.experience import (ExperienceBatch, RewardRecord, RewardStatus, Role, SampleMeta, SamplingContract,
+                               pad_token_rows)
 from sealrl.experience.store import write_iteration
 from sealrl.models.hf import save_causal_lm
-from sealrl.obs.metrics import MetricsLogger, truncate_metrics
+from sealrl.obs.metrics import MetricsLogger
 from sealrl.obs.progress import Progress
-from sealrl.trainer import faults, setup
+from sealrl import faults
+from sealrl.trainer import setup
 from sealrl.trainer.config import Config
 from sealrl.trainer.derive import derive
 from sealrl.trainer.evaluate import evaluate
 from sealrl.trainer.iteration_metrics import batch_metrics, rollout_metrics, stage_shares
 from sealrl.trainer.ledger import new_iteration
-from sealrl.trainer.position import restore_position, save_position
+from sealrl.trainer.position import forget_after, restore_position, save_position
 from sealrl.trainer.state import Phase, StateMachine
 
 
@@ -55,7 +57,7 @@ def _train(cfg: Config, run_dir, roles) -> dict:
     if resumed is None and (run_dir / "checkpoints" / "latest").exists():
         raise setup.ConfigError(f"run folder {run_dir} already has checkpoints; use run.resume=auto or another run.name")
     start = resumed["iteration"] if resumed else 0
-    truncate_metrics(run_dir, start)
+    forget_after(run_dir, start)
     setup.write_run_files(run_dir, cfg, {"run": cfg.run.seed}, {"data_hash": data.hash,
                                                                  "num_train_prompts": len(data.train),
                                                                  "dropped_train_rows": data.train.num_dropped})
@@ -64,7 +66,7 @@ def _train(cfg: Config, run_dir, roles) -> dict:
     eval_kw = dict(reward_fn=setup.build_reward_fn(cfg), tokenizer=roles.tokenizer,
                    max_new_tokens=cfg.rollout.max_new_tokens, num=cfg.eval.num, pass_k=cfg.eval.pass_k,
                    temperature=cfg.eval.temperature, seed=cfg.run.seed)
-    version = sync_weights(roles, sm)
+    version = sync_weights(roles, sm, start)
     before = resumed["accuracy_before"] if resumed else evaluate(roles.rollout, version, data.eval, **eval_kw)
     wall = resumed["train_wall_s"] if resumed else 0.0
     progress = Progress(cfg.run.iterations, start, enabled=cfg.run.progress)
@@ -72,7 +74,7 @@ def _train(cfg: Config, run_dir, roles) -> dict:
     for it in range(start, cfg.run.iterations):
         t0 = time.perf_counter()
         metrics = run_iteration(it, cfg, roles, data, sampler, kl_ctl, contract, sm, run_dir, version)
-        version = sync_weights(roles, sm)  # ACTOR_COMMITTED(v+1) -> ... -> ROLLOUT_READY(v+1)
+        version = sync_weights(roles, sm, it + 1)  # ACTOR_COMMITTED(v+1) -> ... -> ROLLOUT_READY(v+1)
         metrics["time/weight_sync_s"] = sm.stage_seconds["weight_sync"]
         metrics["time/iteration_s"] = time.perf_counter() - t0
         metrics.update(stage_shares(sm.stage_seconds, metrics["time/iteration_s"]))
@@ -97,18 +99,23 @@ def _train(cfg: Config, run_dir, roles) -> dict:
     summary = {"accuracy_before": before.get("eval/accuracy"), "accuracy_after": after.get("eval/accuracy"),
                "wall_s": round(wall, 2), "iterations": it + 1, "algorithm": cfg.algorithm.name,
                "eval_before": before, "eval_after": after, "policy_version": version.id,
-               "optimizer_steps": roles.actor.step, "config_hash": cfg.hash(), "run_dir": str(run_dir)}
+               "optimizer_steps": roles.actor.step, "config_hash": cfg.hash(), "run_dir": str(run_dir),
+               "completed": it + 1 == cfg.run.iterations}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     logger.close()
     return summary
 
 
-def sync_weights(roles, sm: StateMachine):
+def sync_weights(roles, sm: StateMachine, iteration: int):
     """EXPORTING(v) -> ROLLOUT_LOADING(v) -> ROLLOUT_READY(v): the rollout stages the actor's
-    weights, verifies every checksum of the manifest, then switches its active version."""
+    weights, verifies every checksum of the manifest, then switches its active version. A
+    corrupted or missing tensor raises WeightSyncError naming it; nothing is activated."""
     with sm.stage("weight_sync", "rollout"):
         state, manifest = roles.actor.export()
         sm.to(Phase.EXPORTING, manifest.version.id)
+        if faults.point("weight_sync", iteration):
+            name = next(iter(state))
+            state[name] = state[name].clone().flatten().index_fill_(0, torch.tensor([0]), 1e3).view_as(state[name])
         sm.to(Phase.ROLLOUT_LOADING, manifest.version.id)
         version = roles.rollout.load(state, manifest)
         sm.to(Phase.ROLLOUT_READY, version.id)
@@ -123,17 +130,26 @@ def run_iteration(it, cfg: Config, roles, data, sampler, kl_ctl, contract, sm: S
                                      [(p.prompt_id, p.token_ids) for p in prompts])
     # GENERATING(v): every sample comes from the active version v, and only from it.
     sm.to(Phase.GENERATING, version.id)
+    def generate(reqs):
+        """A failed generate call loses its samples; the ledger regenerates them with the
+        same version and seeds, or drops their groups after the retry limit."""
+        try:
+            faults.point("rollout", it)
+            return roles.rollout.generate(reqs, contract, version)
+        except Exception as e:  # noqa: BLE001 - recorded, counted and retried below
+            ledger.failures.append(f"rollout: {type(e).__name__}: {e}")
+            return []
+
     with sm.stage("generate", "rollout"):
-        gen = lambda reqs: roles.rollout.generate(reqs, contract, version)  # noqa: E731
-        groups = ledger.complete(gen(list(requests.values())), gen, requests)
+        groups = ledger.complete(generate(list(requests.values())), generate, requests)
     decode = lambda s: roles.tokenizer.decode(list(s.response_ids), skip_special_tokens=True)  # noqa: E731
     prompt_of = lambda g: by_id[ledger.groups[g].prompt_id]  # noqa: E731
     with sm.stage("reward", "reward"):
         items = {s.sample_id: (s, prompt_of(g).text, decode(s), prompt_of(g).ground_truth, prompt_of(g).data_source)
                  for g, ss in groups.items() for s in ss}
-        records = roles.reward.score(list(items.values()))
-        kept = ledger.apply_reward_policy(groups, records, cfg.algorithm.reward_error,
-                                          lambda ids: roles.reward.score([items[i] for i in ids]))
+        score = lambda ids: score_or_error(roles.reward, [items[i] for i in ids], it)  # noqa: E731
+        records = score(list(items))
+        kept = ledger.apply_reward_policy(groups, records, cfg.algorithm.reward_error, score)
     ledger.commit(list(kept))
     metrics = {**ledger.counts(), **rollout_metrics(groups, records, sm.stage_seconds["generate"])}
     if not kept:
@@ -141,11 +157,13 @@ def run_iteration(it, cfg: Config, roles, data, sampler, kl_ctl, contract, sm: S
     batch = build_batch(cfg, it, kept, records, prompt_of, decode, contract, version)
     if roles.reference is not None:
         with sm.stage("reference", "reference"):
+            faults.point("reference", it)
             roles.reference.compute(batch)
     if roles.critic is not None:
         with sm.stage("critic_values", "critic"):
             roles.critic.compute(batch)
     with sm.stage("old_log_prob", "actor"):
+        faults.point("old_log_prob", it)
         if cfg.algorithm.old_log_prob == "recompute":
             roles.actor.compute_old_log_probs(batch, version)
         else:  # bypass: the behaviour log-probs are the proximal anchor
@@ -156,11 +174,8 @@ def run_iteration(it, cfg: Config, roles, data, sampler, kl_ctl, contract, sm: S
     sm.to(Phase.UPDATING_FROM, version.id)
     with sm.stage("advantage", "driver"):
         metrics.update(derive(batch, cfg.algorithm, kl_ctl.beta, cfg.rollout.max_new_tokens, f"{cfg.algorithm.name}@{it}"))
-    if roles.critic is not None:
-        with sm.stage("critic_update", "critic"):
-            metrics.update(roles.critic.update(batch))
-    with sm.stage("actor_update", "actor"):
-        metrics.update(roles.actor.update(batch, version, it, seed=cfg.run.seed * 100003 + it))
+    with sm.stage("update", "actor"):
+        metrics.update(update_with_rollback(cfg, roles, batch, version, it))
     metrics.update(batch_metrics(batch, roles.actor.step, version.step))
     metrics["kl/beta"] = kl_ctl.beta          # the beta this iteration used
     if cfg.algorithm.kl_target > 0:
@@ -174,6 +189,39 @@ def run_iteration(it, cfg: Config, roles, data, sampler, kl_ctl, contract, sm: S
             f.write(json.dumps(row) + "\n")
     metrics.update({f"time/{k}_s": v for k, v in sm.stage_seconds.items()})
     return metrics
+
+
+def score_or_error(reward, items, it) -> dict[str, RewardRecord]:
+    """Scores from the reward role; if the role itself fails, every sample gets an error
+    record naming it (never a score), and the reward-error policy decides."""
+    try:
+        faults.point("reward", it)
+        return reward.score(items)
+    except Exception as e:  # noqa: BLE001 - becomes error records, counted by the ledger
+        msg = f"reward role failed: {type(e).__name__}: {e}"
+        return {s.sample_id: RewardRecord.failure(RewardStatus.ERROR, "reward-role", msg) for s, *_ in items}
+
+
+def update_with_rollback(cfg: Config, roles, batch, version, it) -> dict:
+    """Critic and actor updates. A failed update restores the committed weights and optimizer
+    state and is tried again (update attempt + 1) up to run.update_retries times; the last
+    failure is raised naming the stage."""
+    for attempt in range(cfg.run.update_retries + 1):
+        snaps = [(r, r.snapshot()) for r in (roles.critic, roles.actor) if r is not None and cfg.run.update_retries]
+        roles.actor.attempt = attempt
+        try:
+            faults.point("actor_update", it)
+            metrics = roles.critic.update(batch) if roles.critic is not None else {}
+            metrics.update(roles.actor.update(batch, version, it, seed=cfg.run.seed * 100003 + it))
+            metrics["update/attempts"] = attempt + 1
+            return metrics
+        except Exception as e:  # noqa: BLE001 - rolled back, retried, then re-raised
+            for role, snap in snaps:
+                role.restore(snap)
+            if attempt == cfg.run.update_retries:
+                raise RuntimeError(f"iteration {it}: update failed at attempt {attempt + 1} "
+                                   f"({type(e).__name__}: {e}); weights and optimizer restored") from e
+    raise AssertionError("unreachable")
 
 
 def build_batch(cfg, it, kept, records, prompt_of, decode, contract, version) -> ExperienceBatch:

@@ -36,6 +36,9 @@ class IterationLedger:
     n: int
     max_retries: int
     groups: dict[str, GroupEntry] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)   # failed generate calls, with the error
+    duplicates: int = 0                                  # deliveries of an already-joined candidate
+    unexpected: int = 0                                  # late or foreign samples (unknown group/version)
 
     # ---- rollout completion -------------------------------------------------------------
     def complete(self, samples: list[RolloutSample],
@@ -44,9 +47,7 @@ class IterationLedger:
         """Join samples by (group, candidate); regenerate failed or missing candidates with the
         same request seed up to `max_retries`; drop groups that stay incomplete."""
         got: dict[str, dict[int, RolloutSample]] = {g: {} for g in requests}
-        for s in samples:
-            if s.group_id in got and s.stop_reason is not StopReason.ERROR:
-                got[s.group_id].setdefault(s.candidate, s)   # a duplicate delivery is ignored
+        self._join(got, samples)
         for attempt in range(self.max_retries + 1):
             missing = {g: tuple(c for c in range(self.n) if c not in got[g]) for g in got}
             missing = {g: c for g, c in missing.items() if c}
@@ -54,9 +55,7 @@ class IterationLedger:
                 break
             retry = [GenerationRequest(g, requests[g].prompt_ids, requests[g].seed, cands)
                      for g, cands in missing.items()]
-            for s in regenerate(retry):
-                if s.stop_reason is not StopReason.ERROR:
-                    got[s.group_id].setdefault(s.candidate, s)
+            self._join(got, regenerate(retry))
             for g, cands in missing.items():
                 self.groups[g].regenerated += len(cands)
         complete = {}
@@ -64,9 +63,22 @@ class IterationLedger:
             if len(cands) == self.n:
                 complete[g] = [cands[c] for c in range(self.n)]
             else:
+                last = f"; last failure: {self.failures[-1][:160]}" if self.failures else ""
                 self.drop(g, f"rollout incomplete after {self.max_retries} retries "
-                             f"({len(cands)}/{self.n} candidates)")
+                             f"({len(cands)}/{self.n} candidates){last}")
         return complete
+
+    def _join(self, got: dict[str, dict[int, RolloutSample]], samples: list[RolloutSample]) -> None:
+        """Join by (group, candidate): a second delivery of a joined candidate and a sample of
+        a group this iteration did not ask for (late, from another iteration) are dropped and
+        counted; failed samples (stop reason error) are left missing, to be regenerated."""
+        for s in samples:
+            if s.group_id not in got or s.candidate >= self.n:
+                self.unexpected += 1
+            elif s.candidate in got[s.group_id]:
+                self.duplicates += 1
+            elif s.stop_reason is not StopReason.ERROR:
+                got[s.group_id][s.candidate] = s
 
     # ---- reward policy ------------------------------------------------------------------
     def apply_reward_policy(self, groups: dict[str, list[RolloutSample]], records: dict[str, RewardRecord],
@@ -107,6 +119,9 @@ class IterationLedger:
             "groups/committed": sum(e.status == "committed" for e in entries),
             "groups/dropped": sum(e.status == "dropped" for e in entries),
             "groups/regenerated_samples": sum(e.regenerated for e in entries),
+            "rollout/failed_calls": len(self.failures),
+            "rollout/duplicate_deliveries": self.duplicates,
+            "rollout/unexpected_deliveries": self.unexpected,
             "reward/errors": sum(e.reward_errors for e in entries),
             "reward/penalised": sum(e.penalised for e in entries),
         }

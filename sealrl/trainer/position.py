@@ -5,6 +5,7 @@ checkpoints are taken at iteration boundaries, after the iteration's batch was c
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from safetensors.torch import load_file
@@ -75,6 +76,23 @@ def restore_position(run_dir: Path, cfg: Config, roles, sampler, kl_ctl, data_ha
     kl_ctl.load_state_dict(state["kl_controller"])
     rng_from_flat(tensors["rng"])
     return state
+
+
+def forget_after(run_dir: Path, iteration: int) -> None:
+    """On resume from the checkpoint at `iteration`: drop what later iterations wrote before
+    the crash (metrics and ledger lines, experience files). They were never committed by a
+    checkpoint and the resumed run writes them again."""
+    for name in ("metrics.jsonl", "ledger.jsonl"):
+        path = run_dir / name
+        if path.is_file():
+            keep = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["iteration"] < iteration]
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(line + "\n" for line in keep))
+            os.replace(tmp, path)
+    for f in (run_dir / "experience").glob("iter_*.parquet"):
+        if int(f.stem.split("_")[1]) >= iteration:
+            f.unlink()
 
 
 def checkpoint_model_state(folder: Path) -> dict:
