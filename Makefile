@@ -6,8 +6,9 @@ BIN     := $(VENV)/bin
 # For a GPU build: TORCH_SPEC="torch==2.13.0 --index-url <your CUDA wheel index>" make test
 TORCH_SPEC ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
+CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: test install demo clean
+.PHONY: test install demo clean browser
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -20,7 +21,17 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
-test: $(STAMP)
+# Headless Chromium for the report's browser test (tests/test_obs_browser.py): Debian's package,
+# installed only when missing and we are root with apt-get (~1 min). Never fails the build: without
+# it the browser test skips and says why.
+browser:
+	@if [ ! -x $(CHROMIUM) ] && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	  echo "installing chromium with apt-get (for tests/test_obs_browser.py)"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
+	    || echo "could not install chromium; tests/test_obs_browser.py will skip"; \
+	fi
+
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -q tests
 
 clean:
