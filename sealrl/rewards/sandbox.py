@@ -10,19 +10,25 @@ and returns a SandboxResult; it never raises for anything the code does. What is
 - rlimits: CPU seconds (SIGXCPU at `cpu_s`, SIGKILL one second later), address space, file
   size, open files, processes, no core files;
 - fresh namespaces, made by a small root launcher (`_LAUNCHER`) before it drops privileges:
-  network (only a loopback, left down: every connect fails with ENETUNREACH), pid (the code is
-  pid 1 of its namespace, so when it dies the kernel kills every process it started, even
-  ones that left the process group with setsid), mount (a private /proc; every mount
+  network (only a loopback, left down: every connect fails with ENETUNREACH), pid (the code
+  runs under a root init that is pid 1 of the namespace and exits with it, and then the kernel
+  kills every process the code started, even ones that left the process group with setsid),
+  mount (a private /proc; every mount
   read-only; /tmp, /var/tmp, /dev/shm, /run and HIDDEN_PATHS covered by empty read-only tmpfs,
   so world-readable files there, datasets included, and host unix sockets are out of sight;
   the working folder is a size-limited tmpfs, so writes never reach the host disk), ipc (no
   System V or POSIX IPC objects shared with, or left on, the host) and cgroup;
 - a scrubbed environment (PATH, LANG, HOME = the working folder, nothing of the parent's);
-- a working folder made for the run (mode 0700, owned by the sandbox uid), removed afterwards;
+- a working folder made for the run (mode 0700, owned by the sandbox uid, the cwd): the caller
+  stages the code in /tmp/sealrl-sbx-*, the launcher takes it and removes that folder, and the
+  code runs in a tmpfs mounted at the same path inside its namespace, gone with it;
 - a wall-clock deadline: SIGKILL to the whole process group (pid namespace included), reaped;
-- no orphan: PR_SET_PDEATHSIG=SIGKILL on the launcher and on the code (set after the uid
-  change, which clears it, and followed by a liveness check of the parent), so killing the
-  caller kills the launcher, then the code, then its namespace.
+- no orphan: PR_SET_PDEATHSIG=SIGKILL on the launcher, on init and on the code (set after the
+  uid change, which clears it, then a liveness check of the parent), so killing the caller
+  kills the launcher, then init, then the whole namespace.
+
+Not in force: a seccomp filter (the whole syscall surface of the kernel is reachable), a cgroup
+memory or pids limit, hiding world-readable files outside the covered folders (/etc, /usr).
 
 Where the platform refuses any of this (not root, unshare not permitted, no mount_setattr),
 the run is REFUSED with a message naming what failed, unless `allow_weak=True`: then it runs
@@ -36,9 +42,9 @@ Linux only; root is needed for the uid change and the namespaces.
 """
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
+import math
 import os
 import selectors
 import shutil
@@ -128,9 +134,11 @@ def run_sandboxed(code: str, stdin: str = "", *, cpu_s: int = 2, wall_s: float =
             config = {"parent_pid": os.getpid(), "python": python, "workdir": workdir,
                       "uid": uid, "allow_weak": allow_weak, "weakened": weakened,
                       "masks": _masks(hidden_paths),
-                      "tmpfs_mb": 4 * file_size_mb, "cpu_s": int(cpu_s),
-                      "memory_bytes": int(memory_mb) << 20, "file_bytes": int(file_size_mb) << 20,
-                      "max_open_files": int(max_open_files), "max_processes": int(max_processes)}
+                      "tmpfs_mb": 4 * math.ceil(file_size_mb), "cpu_s": math.ceil(cpu_s),
+                      "memory_bytes": math.ceil(memory_mb * 2**20),
+                      "file_bytes": math.ceil(file_size_mb * 2**20),
+                      "max_open_files": math.ceil(max_open_files),
+                      "max_processes": math.ceil(max_processes)}
             return _run(config, stdin, float(wall_s), int(max_output_bytes))
         finally:
             if uid is not None:
@@ -231,14 +239,19 @@ def _run(config: dict, stdin: str, wall_s: float, max_output_bytes: int) -> Sand
         finally:
             os.close(status_w)
             os.close(stdin_fd)
-    streams = _drain(proc, {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr",
-                            status_r: "status"}, start + wall_s, max_output_bytes)
+    try:
+        streams = _drain(proc, {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr",
+                                status_r: "status"}, start + wall_s, max_output_bytes)
+    except BaseException:  # e.g. KeyboardInterrupt: never leave the run behind
+        _killpg(proc.pid)
+        raise
+    finally:
+        proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+        os.close(status_r)
     timed_out = streams.pop("timed_out")
-    proc.wait()
     elapsed = time.monotonic() - start
-    proc.stdout.close()
-    proc.stderr.close()
-    os.close(status_r)
     return _verdict(streams, timed_out, proc.returncode, elapsed, max_output_bytes,
                     config["cpu_s"])
 
