@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from sealrl.obs.report import add_parser, load_rows, pick_samples, render, write_report
+from sealrl.obs.report import add_parser, binned, load_rows, pick_samples, render, write_report
 from sealrl.obs.svg import Series, line_chart, nice_ticks
 from sealrl.obs.timeline import mean_stage_shares, read_trace, stage_breakdown, stage_shares
 
@@ -110,6 +110,14 @@ def test_write_report_default_path_and_cli(tmp_path, capsys):
     assert out.is_file() and not (tmp_path / "elsewhere" / "r.html.tmp").exists()
     with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
         write_report(tmp_path / "nothing")
+
+
+def test_long_runs_bin_the_stage_bars(tmp_path):
+    run = make_run(tmp_path / "run", num_iterations=1000)
+    stage_chart = render(run).split('<svg class="chart"')[6]
+    assert stage_chart.count("<rect") - stage_chart.count('width="10" height="10"') - 1 == 4 * 250
+    assert "mean of 4 iterations" in stage_chart
+    assert binned([0, 1, 2, 3, 4], {"a": [1.0, 3.0, 5.0, 7.0, 9.0]}, max_bars=2) == ([0, 3], {"a": [3.0, 8.0]}, 3)
 
 
 def test_redone_iterations_replace_earlier_lines(tmp_path):

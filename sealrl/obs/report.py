@@ -22,6 +22,7 @@ from sealrl.obs.timeline import mean_stage_shares, stage_breakdown
 
 NUM_SAMPLES = 16
 MAX_TEXT = 2000  # characters of a prompt or response shown in the table
+MAX_BARS = 300   # stage-time bars; longer runs are averaged in bins of iterations
 SAMPLE_COLUMNS = ("sample_id", "group_id", "prompt_text", "response_text", "ground_truth", "reward_status",
                   "reward_total", "reward_message", "advantages", "response_mask", "policy_version", "stop_reason")
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
@@ -102,8 +103,21 @@ def charts(rows: list[dict], summary: dict) -> list[str]:
     ]
     breakdown = [stage_breakdown(r) for r in rows]
     stacks = {stage: [b.get(stage, 0.0) for b in breakdown] for stage in mean_stage_shares(rows)}
-    out.append(stacked_bars("Stage time per iteration", [r["iteration"] for r in rows], stacks, "seconds"))
+    xs, stacks, size = binned([r["iteration"] for r in rows], stacks)
+    label = "seconds" if size == 1 else f"seconds (mean of {size} iterations)"
+    out.append(stacked_bars("Stage time per iteration", xs, stacks, label))
     return out
+
+
+def binned(xs: list[int], stacks: dict[str, list[float]], max_bars: int = MAX_BARS):
+    """At most max_bars bars: consecutive iterations averaged in bins of equal size (the last
+    may be shorter), each drawn at its first iteration. Returns (xs, stacks, bin size)."""
+    size = -(-len(xs) // max_bars)
+    if size <= 1:
+        return xs, stacks, 1
+    mean = lambda v: sum(v) / len(v)  # noqa: E731
+    return (xs[::size], {k: [mean(v[i:i + size]) for i in range(0, len(v), size)] for k, v in stacks.items()},
+            size)
 
 
 def _share_table(rows: list[dict]) -> str:

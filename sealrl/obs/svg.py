@@ -149,10 +149,11 @@ def stacked_bars(title: str, xs: list[float], stacks: dict[str, list], y_label: 
     if not xs or not totals or max(totals) <= 0:
         return _no_data(title)
     frame = _Frame(title, (min(xs), max(xs)), (0.0, max(totals) * 1.05), y_label)
-    bar = 0.8 * frame.pw / max(len(xs), 1) if len(xs) > 1 else 20.0
-    if len(xs) > 1:  # leave half a bar of room at both ends
-        frame.x0, frame.x1 = min(xs) - 0.6, max(xs) + 0.6
-        bar = 0.8 * (frame.px(1) - frame.px(0))
+    bar = 20.0
+    if len(xs) > 1:  # bars 0.8 of the x spacing wide, with room for half a bar at both ends
+        step = min(b - a for a, b in zip(xs, xs[1:]))
+        frame.x0, frame.x1 = min(xs) - 0.6 * step, max(xs) + 0.6 * step
+        bar = 0.8 * (frame.px(step) - frame.px(0))
     base = [0.0] * len(xs)
     body, legend = [], []
     for i, (label, vs) in enumerate(rows.items()):
