@@ -86,7 +86,7 @@ print(json.dumps({
     "cwd_mode": oct(os.stat(".").st_mode & 0o777), "cwd_owner": os.stat(".").st_uid,
     "env": dict(os.environ), "stdin_writable": os.access("/proc/self/fd/0", os.W_OK),
     "ns": {n: os.readlink(f"/proc/self/ns/{n}") for n in ("net", "pid", "mnt", "ipc", "cgroup")},
-    "run": os.listdir("/run"),
+    "run": os.listdir("/run"), "fds": os.listdir("/proc/self/fd"),
 }))
 """
 
@@ -112,6 +112,7 @@ def test_probe_shows_limits_uid_and_namespaces_in_force():
     assert p["env"]["HOME"] == p["cwd"]
     assert all(link != os.readlink(f"/proc/self/ns/{n}") for n, link in p["ns"].items())
     assert p["run"] == [] and p["stdin_writable"] is False
+    assert sorted(p["fds"]) == ["0", "1", "2", "3"]  # 3: listdir's own; no launcher pipe leaks
 
 
 # -- hostile programs ---------------------------------------------------------------------------
@@ -141,26 +142,27 @@ def test_escaped_descendant_dies_with_the_run():
     start = time.monotonic()
     result = run_sandboxed(code, wall_s=5)
     assert result.status is SandboxStatus.OK and result.stdout == "parent done\n"
-    assert time.monotonic() - start < 3
+    assert time.monotonic() - start < 4  # not the child's 60 s
 
 
 @needs_root
 def test_infinite_loop_hits_the_cpu_limit():
-    result = run_sandboxed("while True: pass\n", cpu_s=1, wall_s=10)
+    # A generous wall limit: on a loaded host 1 s of CPU can take several seconds of wall time.
+    result = run_sandboxed("while True: pass\n", cpu_s=1, wall_s=20)
     assert result.status is SandboxStatus.KILLED and result.limit == "cpu"
-    assert result.exit_code == -signal.SIGXCPU and result.wall_s < 5
+    assert result.exit_code == -signal.SIGXCPU
     assert result.cpu_s > 0.5  # rusage lags the tick-based limit check a little
     handled = "import signal\nsignal.signal(signal.SIGXCPU, lambda *a: None)\nwhile True: pass\n"
-    result = run_sandboxed(handled, cpu_s=1, wall_s=10)  # ignores SIGXCPU: SIGKILL at 1 s more
+    result = run_sandboxed(handled, cpu_s=1, wall_s=20)  # ignores SIGXCPU: SIGKILL at 1 s more
     assert result.status is SandboxStatus.KILLED and result.limit == "cpu"
-    assert result.exit_code == -signal.SIGKILL and result.wall_s < 6
+    assert result.exit_code == -signal.SIGKILL and result.cpu_s > 1.5
 
 
 @needs_root
 def test_sleep_hits_the_wall_deadline():
     result = run_sandboxed("import time\nprint('up', flush=True)\ntime.sleep(60)\n", wall_s=1)
     assert result.status is SandboxStatus.TIMEOUT and result.limit == "wall"
-    assert result.stdout == "up\n" and result.wall_s < 3
+    assert result.stdout == "up\n" and result.wall_s < 4
 
 
 @needs_root
@@ -385,6 +387,7 @@ def test_bad_ground_truth_raises():
 @needs_root
 def test_through_the_reward_pool():
     from sealrl.rewards.pool import RewardPool
+    assert _probe(max_processes=8)["limits"]["NPROC"] == [8, 8]  # before the fork bomb below
     samples = [RewardSample(sample_id=f"r/0/{i}/0", prompt="", response=r,
                             ground_truth=json.dumps({"tests": ADD_TESTS}))
                for i, r in enumerate([ADD, "print(3)", "import os\nwhile True: os.fork()\n"])]
