@@ -32,6 +32,8 @@ RUNS = {
                 "algorithm.overlong=soft", "algorithm.overlong_buffer=2", "rollout.max_new_tokens=4",
                 "algorithm.old_log_prob=bypass"],
     "drop": ["algorithm.reward_error=drop_group"],
+    # filtered sampling records filtered_log_probs too
+    "rloo_top_k": ["algorithm.name=rloo", "rollout.top_k=5", "rollout.top_p=0.9", "actor.loss=pg"],
 }
 FLAKY = {"penalty", "drop"}
 REAL_REWARD_FN = trainer_setup.build_reward_fn
@@ -88,9 +90,10 @@ def test_runs_from_the_driver_pass(runs, name):
     assert report.num_iterations == 3 and report.num_samples == 4 * report.num_groups > 0
 
 
-def test_flaky_runs_exercise_the_reward_and_ledger_rules(runs):
+def test_the_passing_runs_exercise_the_rules(runs):
     """The passing runs above are not vacuous: one trained errored rewards with the penalty,
-    the other dropped groups with a reason."""
+    one dropped groups with a reason, one recorded filtered log-probs."""
+    assert "filtered_log_probs" in pq.read_table(_iter(runs["rloo_top_k"], 1)).column_names
     table = pa.concat_tables([pq.read_table(p) for p in sorted((runs["penalty"] / "experience").iterdir())])
     assert "error" in table.column("reward_status").to_pylist()
     ledger = [json.loads(x) for x in (runs["drop"] / "ledger.jsonl").read_text().splitlines()]
@@ -98,9 +101,9 @@ def test_flaky_runs_exercise_the_reward_and_ledger_rules(runs):
     assert dropped and all(r["reason"].startswith("reward error") for r in dropped)
 
 
-@pytest.mark.xfail(strict=True, reason="driver finding: resume does not truncate ledger.jsonl (as it does "
-                   "metrics.jsonl), so iterations redone after a crash are recorded twice")
 def test_run_resumed_after_a_crash_between_checkpoints(tmp_path, monkeypatch):
+    """Iterations after the last checkpoint are redone on resume; their first ledger rows and
+    experience must be forgotten, or the ledger records those groups twice."""
     real = driver_module.save_position
 
     def crash(run_dir, iteration, *args, **kwargs):

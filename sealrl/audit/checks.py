@@ -33,7 +33,7 @@ def check_config(run: RunFolder) -> Iterator[Violation]:
     """config.yaml still hashes to the hash written with it (and to run.json's), so the
     settings the other checks judge by (group size, reward-error policy) are the run's own."""
     v = lambda msg: Violation("config", msg)  # noqa: E731
-    actual = run.cfg.hash()
+    actual = run.config_hash
     if run.config_hash_line != actual:
         yield v(f"config.yaml hashes to {actual} but its first line records {run.config_hash_line or 'no hash'}: "
                 "the effective config was edited after the run")
@@ -75,7 +75,10 @@ def check_used_once(run: RunFolder) -> Iterator[Violation]:
         bad_iters = sorted({i for i in f.cols.get("iteration", ()) if i != f.iteration})
         if bad_iters:
             yield Violation("used_once", f"rows of iterations {bad_iters} stored in this iteration's file", f.iteration)
-        steps = set(f.cols.get("consumed_step", [None]))
+        if f.num_rows == 0:
+            yield Violation("used_once", "the iteration file holds no samples", f.iteration)
+            continue
+        steps = set(f.cols["consumed_step"])
         if None in steps:
             yield Violation("used_once", "consumed_step is not set: no update is recorded as consuming these samples",
                             f.iteration)
@@ -155,8 +158,8 @@ def check_policy_version(run: RunFolder) -> Iterator[Violation]:
             before = run.file(f.iteration - 1)
             expected = before.one("consumed_step") if before is not None and before.readable else None
             if expected is None:
-                yield v(f"iteration {f.iteration - 1} has no readable experience file with one consumed_step: "
-                        "the version chain cannot be followed")
+                yield v(f"iteration {f.iteration - 1} has no file with one consumed_step (missing, unreadable "
+                        "or mixed): the version chain cannot be followed")
                 continue
         if version.step != expected:
             yield v(f"sampled by {pv} (step {version.step}) but the version committed before this iteration "

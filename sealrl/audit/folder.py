@@ -2,10 +2,13 @@
 schema metadata, read raw so that a broken file is a finding, not a crash) and the ledger."""
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import yaml
 
 from sealrl.experience.store import read_table
 from sealrl.trainer.config import Config, load_config
@@ -42,6 +45,7 @@ class RunFolder:
     cfg: Config
     run_id: str
     config_hash_line: str            # the hash written on the first line of config.yaml
+    config_hash: str                 # the hash of config.yaml's content, as Config.hash() computes it
     files: list[IterationFile]       # sorted by iteration
     ledger: list[dict]
     ledger_errors: list[str]         # missing file, unparseable lines
@@ -61,14 +65,18 @@ def load_run(run_dir: str | Path) -> RunFolder:
     config = path / "config.yaml"
     if not config.is_file():
         raise FileNotFoundError(f"{path} is not a run folder: no config.yaml")
+    text = config.read_text()
     cfg = load_config(str(config))
-    first = config.read_text().splitlines()[0] if config.read_text() else ""
+    first = text.splitlines()[0] if text else ""
     hash_line = first.split(":", 1)[1].strip() if first.startswith("# config hash:") else ""
+    # Config.hash() of the dict as written; not of the config rebuilt by today's code, whose new
+    # keys (with defaults) would change the hash of an older, untouched run.
+    content_hash = hashlib.sha256(json.dumps(yaml.safe_load(text), sort_keys=True).encode()).hexdigest()[:16]
     files = [_read_file(p) for p in sorted((path / "experience").glob("iter_*.parquet"))
              if _ITER_FILE.fullmatch(p.name)]
     files.sort(key=lambda f: f.iteration)
     ledger, errors = _read_ledger(path / "ledger.jsonl")
-    return RunFolder(path, cfg, cfg.run.name, hash_line, files, ledger, errors)
+    return RunFolder(path, cfg, cfg.run.name, hash_line, content_hash, files, ledger, errors)
 
 
 def _read_file(path: Path) -> IterationFile:
