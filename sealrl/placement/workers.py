@@ -1,0 +1,266 @@
+"""Worker groups: N copies of one role, in-process or as Ray actors, behind one interface.
+
+    group.call(method, *args)          the same call on every worker; results in worker order
+    group.map_shards(method, shards)   worker k gets shards[k] (an args tuple); dict k -> result
+    group.attr(name)                   an attribute of every worker (e.g. the active version)
+    group.put(value)                   share a large argument once (Ray object store)
+    group.close()
+
+The driver never sees the difference: a role object (sealrl.roles.*) is built from a picklable
+factory (e.g. `functools.partial(RolloutWorker, model, tokenizer)`) either here or inside a Ray
+actor. Every remote wait has a deadline; a failure or a timeout raises WorkerError naming the
+role, the worker and the method, with the worker's own exception as `cause`.
+
+Ray resources: `pools_from_config` reads pools such as
+    {"train": {"roles": ["actor", "rollout"], "num_workers": 2, "num_cpus_per_worker": 1},
+     "reward": {"roles": ["reward"], "num_workers": 1}}
+A pool is one Ray placement group of `num_workers` bundles; worker k of every role of the pool
+runs on bundle k (colocated: they time-share that bundle's CPUs/GPUs, each asking for an equal
+fraction). A pool with one role is a standalone pool. `ray` is imported only in this module.
+"""
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+class WorkerError(RuntimeError):
+    """A call on a worker failed or missed its deadline. `cause` is the worker's exception
+    (a RemoteCallError carrying its type name and attributes when it could not be pickled)."""
+
+    def __init__(self, role: str, worker: int, method: str, reason: str, cause: BaseException | None = None):
+        super().__init__(f"role {role} worker {worker}: {method}: {reason}")
+        self.role, self.worker, self.method, self.cause = role, worker, method, cause
+
+    @property
+    def cause_type(self) -> str:
+        c = self.cause
+        return c.type_name if isinstance(c, RemoteCallError) else type(c).__name__
+
+
+class RemoteCallError(Exception):
+    """A role's exception that does not survive pickling (custom __init__), sent as its type
+    name, message and simple attributes (e.g. WeightSyncError.tensor) so nothing is lost."""
+
+    def __init__(self, type_name: str, message: str, fields: dict) -> None:
+        super().__init__(type_name, message, fields)
+        self.type_name, self.message, self.fields = type_name, message, fields
+        for k, v in fields.items():
+            setattr(self, k, v)
+
+    def __str__(self) -> str:
+        return self.message
+
+    @classmethod
+    def portable(cls, e: Exception) -> Exception:
+        """`e` itself if it pickles and unpickles, else its RemoteCallError form."""
+        try:
+            pickle.loads(pickle.dumps(e))
+            return e
+        except Exception:  # noqa: BLE001 - any failure to round-trip means: send the portable form
+            simple = (str, int, float, bool, type(None))
+            return cls(type(e).__name__, str(e), {k: v for k, v in vars(e).items() if isinstance(v, simple)})
+
+
+class WorkerGroup(Protocol):
+    role: str
+    num_workers: int
+
+    def call(self, method: str, *args, timeout_s: float | None = None, **kwargs) -> list: ...
+    def map_shards(self, method: str, shards: Mapping[int, tuple], timeout_s: float | None = None) -> dict: ...
+    def attr(self, name: str, timeout_s: float | None = None) -> list: ...
+    def put(self, value: Any) -> Any: ...
+    def close(self) -> None: ...
+
+
+class LocalWorkerGroup:
+    """Role objects in this process; calls run one after another (the `placement=local` path)."""
+
+    def __init__(self, role: str, workers: list) -> None:
+        self.role, self.workers, self.num_workers = role, list(workers), len(workers)
+
+    def _run(self, k: int, method: str, args: tuple, kwargs: dict) -> Any:
+        try:
+            return getattr(self.workers[k], method)(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - re-raised with the role and worker named
+            raise WorkerError(self.role, k, method, f"{type(e).__name__}: {e}", e) from e
+
+    def call(self, method: str, *args, timeout_s: float | None = None, **kwargs) -> list:
+        return [self._run(k, method, args, kwargs) for k in range(self.num_workers)]
+
+    def map_shards(self, method: str, shards: Mapping[int, tuple], timeout_s: float | None = None) -> dict:
+        return {k: self._run(k, method, tuple(a), {}) for k, a in sorted(shards.items())}
+
+    def attr(self, name: str, timeout_s: float | None = None) -> list:
+        return [getattr(w, name) for w in self.workers]
+
+    def put(self, value: Any) -> Any:
+        return value
+
+    def close(self) -> None:
+        self.workers = []
+
+
+# ---- Ray ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PoolSpec:
+    """One resource pool: `num_workers` bundles shared by the pool's roles."""
+
+    name: str
+    """pool name (config key)"""
+    roles: tuple[str, ...]
+    """roles whose worker k runs on bundle k of this pool"""
+    num_workers: int = 1
+    """bundles (and workers per role)"""
+    num_cpus_per_worker: float = 1.0
+    """CPUs of one bundle"""
+    num_gpus_per_worker: float = 0.0
+    """GPUs of one bundle"""
+
+    def __post_init__(self) -> None:
+        if not self.roles:
+            raise ValueError(f"pool {self.name}: roles must not be empty")
+        if self.num_workers < 1:
+            raise ValueError(f"pool {self.name}: num_workers must be >= 1, got {self.num_workers!r}")
+        if self.num_cpus_per_worker <= 0 or self.num_gpus_per_worker < 0:
+            raise ValueError(f"pool {self.name}: num_cpus_per_worker must be > 0 and num_gpus_per_worker"
+                             f" >= 0, got {self.num_cpus_per_worker!r}, {self.num_gpus_per_worker!r}")
+
+
+def pools_from_config(pools: Mapping[str, Mapping[str, Any]]) -> dict[str, PoolSpec]:
+    """role -> its PoolSpec; a role in two pools or an unknown key is an error."""
+    allowed = set(PoolSpec.__dataclass_fields__) - {"name"}
+    out: dict[str, PoolSpec] = {}
+    for name, d in pools.items():
+        unknown = set(d) - allowed
+        if unknown:
+            raise ValueError(f"pool {name}: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+        spec = PoolSpec(name=name, **{**d, "roles": tuple(d.get("roles", ()))})
+        for role in spec.roles:
+            if role in out:
+                raise ValueError(f"role {role} is in pools {out[role].name} and {name}")
+            out[role] = spec
+    return out
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: int | None = None) -> None:
+    """A local Ray started by sealrl (address None: `num_cpus`/`num_gpus` cap it) or a cluster
+    started with `ray start --head` (address "auto" or host:port). No dashboard: nothing listens
+    beyond what Ray's own processes need."""
+    import ray
+    if address is None:
+        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+                 object_store_memory=256 * 2 ** 20)
+    else:
+        ray.init(address=address, include_dashboard=False)
+
+
+class RayPool:
+    """A created placement group for one PoolSpec (wait for it once, share it by its roles)."""
+
+    def __init__(self, spec: PoolSpec, timeout_s: float = 60.0) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        bundle = {"CPU": spec.num_cpus_per_worker}
+        if spec.num_gpus_per_worker:
+            bundle["GPU"] = spec.num_gpus_per_worker
+        self.spec = spec
+        self.pg = placement_group([dict(bundle) for _ in range(spec.num_workers)], strategy="PACK")
+        ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
+        if not ready:
+            raise WorkerError(spec.name, -1, "placement_group", f"resources {bundle} x {spec.num_workers} "
+                              f"not available within {timeout_s}s (ray.cluster_resources(): "
+                              f"{ray.cluster_resources()})")
+
+    def close(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+        remove_placement_group(self.pg)
+
+
+class _RoleHost:
+    """Inside a Ray actor: one role object built from its factory."""
+
+    def __init__(self, factory: Callable[[], Any], threads: int) -> None:
+        import torch
+        torch.set_num_threads(threads)
+        self.role = factory()
+
+    def call(self, method: str, *args, **kwargs) -> Any:
+        try:
+            return getattr(self.role, method)(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - re-raised in a form the driver can unpickle
+            raise RemoteCallError.portable(e) from None
+
+    def attr(self, name: str) -> Any:
+        return getattr(self.role, name)
+
+
+class RayWorkerGroup:
+    """`pool.spec.num_workers` Ray actors, each hosting `factory()`; worker k on bundle k."""
+
+    def __init__(self, role: str, factory: Callable[[], Any], pool: RayPool, timeout_s: float = 300.0,
+                 threads: int = 1) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        spec = pool.spec
+        share = len(spec.roles)  # colocated roles split each bundle equally
+        host = ray.remote(_RoleHost)
+        self.role, self.num_workers, self.timeout_s = role, spec.num_workers, timeout_s
+        self.actors = [host.options(num_cpus=spec.num_cpus_per_worker / share,
+                                    num_gpus=spec.num_gpus_per_worker / share,
+                                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                        placement_group=pool.pg, placement_group_bundle_index=k),
+                                    name=None).remote(factory, threads)
+                       for k in range(self.num_workers)]
+        self.attr("__class__", timeout_s=timeout_s)  # waits until every factory has run
+
+    def call(self, method: str, *args, timeout_s: float | None = None, **kwargs) -> list:
+        refs = {k: a.call.remote(method, *args, **kwargs) for k, a in enumerate(self.actors)}
+        out = self._collect(method, refs, timeout_s)
+        return [out[k] for k in range(self.num_workers)]
+
+    def map_shards(self, method: str, shards: Mapping[int, tuple], timeout_s: float | None = None) -> dict:
+        refs = {k: self.actors[k].call.remote(method, *args) for k, args in sorted(shards.items())}
+        return self._collect(method, refs, timeout_s)
+
+    def attr(self, name: str, timeout_s: float | None = None) -> list:
+        out = self._collect(name, {k: a.attr.remote(name) for k, a in enumerate(self.actors)}, timeout_s)
+        return [out[k] for k in range(self.num_workers)]
+
+    def put(self, value: Any) -> Any:
+        import ray
+        return ray.put(value)  # an ObjectRef given as a top-level argument arrives resolved
+
+    def _collect(self, method: str, refs: dict, timeout_s: float | None) -> dict:
+        """Wait for every ref until one deadline; name the first worker that failed or is late."""
+        import ray
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        by_ref = {r: k for k, r in refs.items()}
+        pending, out = list(refs.values()), {}
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                late = sorted(by_ref[r] for r in pending)
+                raise WorkerError(self.role, late[0], method, f"no result within {timeout}s "
+                                  f"(workers {late} pending)")
+            k = by_ref[done[0]]
+            try:
+                out[k] = ray.get(done[0])
+            except ray.exceptions.RayTaskError as e:
+                cause = e.cause if isinstance(e.cause, BaseException) else e
+                err = WorkerError(self.role, k, method, "", cause)
+                raise WorkerError(self.role, k, method, f"{err.cause_type}: {cause}", cause) from e
+            except ray.exceptions.RayActorError as e:
+                raise WorkerError(self.role, k, method, f"the worker's process died: {e}", e) from e
+        return out
+
+    def close(self) -> None:
+        import ray
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []

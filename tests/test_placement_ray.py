@@ -1,0 +1,179 @@
+"""Worker groups: a Ray pool of 2 rollout replicas gives exactly the local rollout's samples
+(colocated vs standalone: same experience), weight sync through the manifest refuses a
+corrupted or missing tensor on every replica and activates nothing, and failures and deadlines
+name the role and the worker. One Ray session for the module (start-up is about 3 s), 2 CPUs;
+no Ray process may outlive it."""
+from __future__ import annotations
+
+import functools
+import time
+
+import pytest
+import torch
+
+from sealrl.experience import SamplingContract
+from sealrl.models.hf import model_config_hash, tokenizer_hash
+from sealrl.models.tiny import build_tiny_model
+from sealrl.placement.dispatch import generate_by_id, sync_weights
+from sealrl.placement.join import MissingResultsError
+from sealrl.placement.workers import LocalWorkerGroup, WorkerError, pools_from_config
+from sealrl.roles.rollout import RolloutWorker
+from sealrl.rollout import GenerationRequest, VersionNotHeldError
+from sealrl.sync.manifest import build_manifest
+
+CONTRACT = SamplingContract(temperature=1.0, max_new_tokens=6, n=3)
+PROMPTS = ["07+45=", "12+30=", "99+1=", "3+4=", "50+50=", "8+18="]
+
+
+def setup_objects():
+    model, tok = build_tiny_model(seed=0, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+    hashes = tokenizer_hash(tok), model_config_hash(model.config)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    v0 = build_manifest(state, "run", 0, 0, *hashes)
+    torch.manual_seed(1)
+    state1 = {k: v + 0.02 * torch.randn_like(v) for k, v in state.items()}
+    v1 = build_manifest(state1, "run", 1, 0, *hashes)
+    requests = [GenerationRequest(f"run/0/p{i}", tuple(tok(p)["input_ids"]), seed=1000 + i, candidates=(0, 1, 2))
+                for i, p in enumerate(PROMPTS)]
+    return model, tok, (state, v0), (state1, v1), requests
+
+
+@pytest.fixture(scope="module")
+def objects():
+    return setup_objects()
+
+
+@pytest.fixture(scope="module")
+def local_samples(objects):
+    model, tok, (state, v0), _, requests = objects
+    worker = RolloutWorker(model, tok)
+    worker.load(state, v0)
+    return worker.generate(requests, CONTRACT, v0.version)
+
+
+def assert_same_samples(got, want):
+    assert [s.sample_id for s in got] == [s.sample_id for s in want]
+    for a, b in zip(got, want):
+        assert (a.response_ids, a.stop_reason, a.seed, a.policy_version) == \
+               (b.response_ids, b.stop_reason, b.seed, b.policy_version), a.sample_id
+        assert torch.allclose(torch.tensor(a.rollout_log_probs), torch.tensor(b.rollout_log_probs),
+                              atol=1e-5, rtol=0), a.sample_id
+
+
+# ---- in-process group (always runs) --------------------------------------------------------
+
+def test_local_group_of_two_replicas_gives_the_single_replica_samples(objects, local_samples):
+    model, tok, (state, v0), _, requests = objects
+    group = LocalWorkerGroup("rollout", [RolloutWorker(model, tok), RolloutWorker(model, tok)])
+    assert sync_weights(group, state, v0) == v0.version
+    samples, metrics = generate_by_id(group, list(reversed(requests)), CONTRACT, v0.version, "run", 0)
+    assert_same_samples(sorted(samples, key=lambda s: s.sample_id), sorted(local_samples, key=lambda s: s.sample_id))
+    assert sorted(set(metrics["served_by"].values())) == [0, 1]      # both replicas served
+    assert metrics["placement/rollout_accepted"] == 18.0 and metrics["placement/rollout_duplicate"] == 0.0
+
+
+def test_local_group_failure_names_role_and_worker(objects):
+    model, tok, (state, v0), (_, v1), requests = objects
+    group = LocalWorkerGroup("rollout", [RolloutWorker(model, tok)])
+    sync_weights(group, state, v0)
+    with pytest.raises(WorkerError, match="role rollout worker 0: generate: VersionNotHeldError") as e:
+        generate_by_id(group, requests, CONTRACT, v1.version, "run", 0)
+    assert isinstance(e.value.cause, VersionNotHeldError)
+
+
+def test_a_replica_that_drops_a_sample_is_reported_by_id(objects):
+    model, tok, (state, v0), _, requests = objects
+
+    class Dropping(RolloutWorker):
+        def generate(self, reqs, contract, version):
+            return super().generate(reqs, contract, version)[1:]
+
+    group = LocalWorkerGroup("rollout", [Dropping(model, tok)])
+    sync_weights(group, state, v0)
+    with pytest.raises(MissingResultsError, match="run/0/p0/0"):
+        generate_by_id(group, requests, CONTRACT, v0.version, "run", 0)
+
+
+def test_pools_config_rejects_unknown_keys_and_a_role_in_two_pools():
+    pools = pools_from_config({"train": {"roles": ["actor", "rollout"], "num_workers": 2},
+                               "reward": {"roles": ["reward"]}})
+    assert pools["rollout"].name == "train" and pools["reward"].num_workers == 1
+    with pytest.raises(ValueError, match="unknown keys \\['num_cpu'\\]"):
+        pools_from_config({"p": {"roles": ["actor"], "num_cpu": 1}})
+    with pytest.raises(ValueError, match="role actor is in pools a and b"):
+        pools_from_config({"a": {"roles": ["actor"]}, "b": {"roles": ["actor"]}})
+
+
+# ---- Ray -----------------------------------------------------------------------------------
+
+def _descendants() -> list:
+    import psutil
+    return psutil.Process().children(recursive=True)
+
+
+def _alive(p) -> bool:
+    import psutil
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture(scope="module")
+def ray_pool(objects):
+    """One local Ray (2 CPUs, no dashboard) and a standalone rollout pool of 2 replicas."""
+    ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'sealrl[ray]')")
+    from sealrl.placement.workers import RayPool, RayWorkerGroup, init_ray
+    model, tok = objects[0], objects[1]
+    init_ray(num_cpus=2)
+    try:
+        pool = RayPool(pools_from_config({"rollout": {"roles": ["rollout"], "num_workers": 2}})["rollout"])
+        group = RayWorkerGroup("rollout", functools.partial(RolloutWorker, model, tok), pool, timeout_s=120)
+        yield group
+        group.close()
+        pool.close()
+    finally:
+        procs = _descendants()  # gcs_server, raylet, workers: all started by this process
+        ray.shutdown()
+    assert procs, "expected Ray's processes under this one before shutdown"
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [f"{p.pid} {p.name()}" for p in procs if _alive(p)]
+    assert not left, f"Ray processes left after shutdown: {left}"
+
+
+def test_ray_rollout_pool_gives_the_local_experience(objects, local_samples, ray_pool):
+    _, _, (state, v0), _, requests = objects
+    assert sync_weights(ray_pool, state, v0) == v0.version
+    samples, metrics = generate_by_id(ray_pool, requests, CONTRACT, v0.version, "run", 0)
+    assert_same_samples(samples, local_samples)  # same ids, tokens, seeds, versions
+    assert sorted(set(metrics["served_by"].values())) == [0, 1]
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "missing"])
+def test_ray_weight_sync_refuses_a_bad_tensor_and_activates_nothing(objects, ray_pool, damage):
+    _, _, (state, v0), (state1, v1), requests = objects
+    sync_weights(ray_pool, state, v0)
+    name = "model.layers.1.mlp.down_proj.weight"
+    bad = dict(state1)
+    if damage == "corrupt":
+        bad[name] = state1[name].clone()
+        bad[name][0, 0] += 1e-3
+    else:
+        del bad[name]
+    with pytest.raises(WorkerError, match=f"role rollout worker [01]: load: WeightSyncError.*{name}") as e:
+        sync_weights(ray_pool, bad, v1)
+    assert e.value.cause_type == "WeightSyncError" and e.value.cause.tensor == name
+    assert ray_pool.attr("version") == [v0.version, v0.version]   # nothing activated anywhere
+    with pytest.raises(WorkerError, match="VersionNotHeldError"):
+        generate_by_id(ray_pool, requests[:2], CONTRACT, v1.version, "run", 1)
+    assert sync_weights(ray_pool, state1, v1) == v1.version        # the intact v1 loads
+    assert ray_pool.attr("version") == [v1.version, v1.version]
+
+
+def test_ray_deadline_names_role_and_workers(objects, ray_pool):
+    _, _, (state, v0), _, requests = objects
+    sync_weights(ray_pool, state, v0)
+    with pytest.raises(WorkerError, match="role rollout worker 0: generate: no result within 0.001s"):
+        ray_pool.call("generate", requests, CONTRACT, v0.version, timeout_s=0.001)
