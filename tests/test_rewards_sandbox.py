@@ -80,7 +80,8 @@ R = resource
 status = dict(l.split(":", 1) for l in open("/proc/self/status").read().splitlines())
 print(json.dumps({
     "uid": [os.getuid(), os.geteuid(), os.getgid()], "groups": os.getgroups(), "pid": os.getpid(),
-    "limits": {n: R.getrlimit(getattr(R, "RLIMIT_" + n)) for n in ("NPROC", "CPU", "AS", "FSIZE", "NOFILE", "CORE")},
+    "limits": {n: R.getrlimit(getattr(R, "RLIMIT_" + n))
+               for n in ("NPROC", "CPU", "AS", "FSIZE", "NOFILE", "CORE")},
     "no_new_privs": status["NoNewPrivs"].strip(), "cap_eff": status["CapEff"].strip(),
     "procs": [p for p in os.listdir("/proc") if p.isdigit()], "cwd": os.getcwd(),
     "cwd_mode": oct(os.stat(".").st_mode & 0o777), "cwd_owner": os.stat(".").st_uid,

@@ -185,10 +185,9 @@ def _leased_uid(root: bool) -> Iterator[int | None]:
         yield None
         return
     os.makedirs(_LOCK_DIR, mode=0o700, exist_ok=True)
-    start = int.from_bytes(os.urandom(2), "little") % len(SANDBOX_UIDS)
-    for i in range(len(SANDBOX_UIDS)):
-        uid = SANDBOX_UIDS[(start + i) % len(SANDBOX_UIDS)]
-        fd = os.open(os.path.join(_LOCK_DIR, str(uid)), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    for uid in SANDBOX_UIDS:  # lowest free first: as many lock files as concurrent runs
+        path = os.path.join(_LOCK_DIR, str(uid))
+        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -360,7 +359,8 @@ CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWIPC = 0x20000, 0x2000000, 0x8000000
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
-SYS_mount_setattr, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 442, -100, 0x8000, 1, 2
+SYS_mount_setattr, AT_FDCWD, AT_RECURSIVE = 442, -100, 0x8000  # x86_64 and aarch64 alike
+MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 1, 2
 
 def report(**kw):
     os.write(status_fd, (json.dumps(kw) + "\n").encode())
@@ -426,7 +426,8 @@ try:
     check(libc.syscall(SYS_mount_setattr, AT_FDCWD, b"/", AT_RECURSIVE, ctypes.byref(attr),
                        ctypes.sizeof(attr)), "mount_setattr(/, read-only, recursive)")
     for p in cfg["masks"]:
-        mount("tmpfs", p, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64k,nr_inodes=64,mode=0755")
+        mount("tmpfs", p, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+              "size=64k,nr_inodes=64,mode=0755")
     workdir = make_workdir(os.path.join("/tmp", os.path.basename(workdir)), True)
     for p in cfg["masks"]:
         mount(None, p, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
