@@ -78,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--pass-k", type=int, default=1, help="also report pass@k with k samples")
     e.add_argument("overrides", nargs="*", help="section.key=value overrides")
     e.set_defaults(fn=_eval)
+    from sealrl.audit import add_parser as add_audit
+    from sealrl.obs.report import add_parser as add_report
+    from sealrl.trainer.recompute import add_parser as add_recompute
+    for add in (add_audit, add_report, add_recompute):
+        add(sub)
     args = parser.parse_args(argv)
     try:
         _quiet_libraries()
