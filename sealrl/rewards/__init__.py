@@ -14,6 +14,7 @@ _EXPORTS = {
     "ArithmeticExactMatch": "verifiers", "CountdownVerifier": "verifiers",
     "MathVerifier": "verifiers", "FormatReward": "verifiers", "WeightedReward": "verifiers",
     "answer_text": "verifiers", "RewardModelScorer": "reward_model", "RewardPool": "pool",
+    "CodeExecutionReward": "code", "run_sandboxed": "sandbox", "SandboxResult": "sandbox",
 }
 __all__ = sorted(_EXPORTS)
 
