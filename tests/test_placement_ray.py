@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from sealrl import algos
 from sealrl.experience import SamplingContract
 from sealrl.models.hf import model_config_hash, tokenizer_hash
 from sealrl.models.tiny import build_tiny_model
@@ -127,8 +128,11 @@ def ray_pool(objects):
     model, tok = objects[0], objects[1]
     init_ray(num_cpus=2)
     try:
-        pool = RayPool(pools_from_config({"rollout": {"roles": ["rollout"], "num_workers": 2}})["rollout"])
+        # actor and rollout colocated: worker k of each on bundle k, half a CPU each
+        pools = pools_from_config({"train": {"roles": ["actor", "rollout"], "num_workers": 2}})
+        pool = RayPool(pools["rollout"])
         group = RayWorkerGroup("rollout", functools.partial(RolloutWorker, model, tok), pool, timeout_s=120)
+        group.pool = pool
         yield group
         group.close()
         pool.close()
@@ -177,3 +181,23 @@ def test_ray_deadline_names_role_and_workers(objects, ray_pool):
     sync_weights(ray_pool, state, v0)
     with pytest.raises(WorkerError, match="role rollout worker 0: generate: no result within 0.001s"):
         ray_pool.call("generate", requests, CONTRACT, v0.version, timeout_s=0.001)
+
+
+def test_ray_data_parallel_ranks_give_the_one_process_update(ray_pool):
+    """Two Ray actors (colocated with the rollout replicas) joined in a gloo group."""
+    from sealrl.placement.data_parallel import DataParallelTrainer
+    from sealrl.placement.workers import RayWorkerGroup
+    from tests.test_placement_dp import BACKWARD, HORIZON, LR, make_batch, make_model, max_diff, step
+    batch = make_batch()
+    _, _, want = step(make_model(), batch, algos.make_normaliser(batch.get("response_mask"), "token-mean",
+                                                                  horizon=HORIZON))
+    factory = functools.partial(DataParallelTrainer, make_model(), BACKWARD, "token-mean", HORIZON, lr=LR)
+    group = RayWorkerGroup("actor", factory, ray_pool.pool, timeout_s=120)
+    try:
+        group.init_process_group("gloo")
+        stats = group.call("step", batch)
+        assert [s["rank"] for s in stats] == [0, 1] and stats[0]["checksum"] == stats[1]["checksum"]
+        assert stats[0]["shard_ids"] == sorted(batch.sample_ids)[:4]
+        assert max_diff(group.call("parameters")[1], want) <= 1e-6
+    finally:
+        group.close()

@@ -170,11 +170,36 @@ def data_parallel_step(model, optimizer, shard: ExperienceBatch, norm: algos.Los
     return {**stats, "grad_norm": grad_norm}
 
 
+class DataParallelTrainer:
+    """One data-parallel rank as a role object (hosted in-process, by `launch`, or in a Ray
+    actor after RayWorkerGroup.init_process_group): every rank gets the WHOLE batch, keeps its
+    shard by sample id, and steps with the global normaliser. The reference the actor's
+    data-parallel update is tested against."""
+
+    def __init__(self, model, backward: Callable, loss_agg: str, horizon: float,
+                 lr: float, grad_clip: float = 0.0) -> None:
+        self.model, self.backward, self.loss_agg, self.horizon = model, backward, loss_agg, horizon
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        self.grad_clip = grad_clip
+
+    def step(self, batch: ExperienceBatch) -> dict:
+        rank, size = world()
+        shard = shard_batch(batch, rank, size)
+        norm = global_normaliser(shard.get("response_mask"), self.loss_agg, self.horizon)
+        self.model.train()
+        stats = data_parallel_step(self.model, self.optimizer, shard, norm, self.backward, self.grad_clip)
+        self.model.eval()
+        return {**stats, "rank": rank, "shard_ids": shard.sample_ids, "checksum": assert_replicas_identical(self.model)}
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+
+
 # ---- local multi-process launcher ---------------------------------------------------------
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

@@ -198,6 +198,21 @@ class _RoleHost:
     def attr(self, name: str) -> Any:
         return getattr(self.role, name)
 
+    def rendezvous(self) -> str:
+        """tcp://<this node's address>:<a free port>, for rank 0 of a process group."""
+        import ray
+        from sealrl.placement.data_parallel import free_port
+        host = ray.util.get_node_ip_address()
+        return f"tcp://{host}:{free_port(host)}"
+
+    def join_process_group(self, init_method: str, rank: int, world_size: int, backend: str) -> int:
+        import torch
+        import torch.distributed as dist
+        if backend == "nccl":  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU(s)
+            torch.cuda.set_device(0)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+        return dist.get_rank()
+
 
 class RayWorkerGroup:
     """`pool.spec.num_workers` Ray actors, each hosting `factory()`; worker k on bundle k."""
@@ -230,6 +245,14 @@ class RayWorkerGroup:
     def attr(self, name: str, timeout_s: float | None = None) -> list:
         out = self._collect(name, {k: a.attr.remote(name) for k, a in enumerate(self.actors)}, timeout_s)
         return [out[k] for k in range(self.num_workers)]
+
+    def init_process_group(self, backend: str = "gloo", timeout_s: float | None = None) -> None:
+        """Join the workers in one torch.distributed group (rank = worker index), rendezvous at
+        worker 0's node; every rank waits in init until all have joined."""
+        init_method = self._collect("rendezvous", {0: self.actors[0].rendezvous.remote()}, timeout_s)[0]
+        refs = {k: a.join_process_group.remote(init_method, k, self.num_workers, backend)
+                for k, a in enumerate(self.actors)}
+        self._collect("join_process_group", refs, timeout_s)
 
     def put(self, value: Any) -> Any:
         import ray
