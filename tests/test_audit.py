@@ -268,6 +268,27 @@ def test_dropped_group_without_reason(run):
     assert any("dropped without a reason" in v.message for v in report.violations)
 
 
+@pytest.mark.parametrize("run", ["drop"], indirect=True)
+def test_dropped_group_missing_from_the_ledger(run):
+    """Only the replayed sampler knows that prompt was passed: nothing was trained from it."""
+    rows = _ledger(run)
+    lost = next(r for r in rows if r["status"] == "dropped")
+    _write_ledger(run, [r for r in rows if r is not lost])
+    report = audit_run(run)
+    assert report.failed_checks() == ["ledger"]
+    assert [v.iteration for v in report.violations] == [lost["iteration"]]
+    assert "the sampler passed 4 prompts" in report.violations[0].message
+
+
+def test_replayed_sampler_is_the_drivers():
+    from types import SimpleNamespace
+
+    from sealrl.audit.checks import replay_sampler
+    cfg = build_config(None, BASE)
+    ours, theirs = replay_sampler(cfg, 10), trainer_setup.build_sampler(cfg, SimpleNamespace(train=range(10)))
+    assert [ours.next_batch() for _ in range(7)] == [theirs.next_batch() for _ in range(7)]
+
+
 def test_trained_group_recorded_as_dropped(run):
     rows = _ledger(run)
     rows[0].update(status="dropped", reason="made up")
@@ -313,9 +334,9 @@ def test_cli_exit_status_and_summary(run, capsys):
     _write_ledger(run, _ledger(run)[1:])
     assert _cli("audit", str(run)) == 1
     out = capsys.readouterr().out
-    assert "ledger           1 violation(s)" in out and "[ledger] iteration 0" in out
+    assert "ledger           2 violation(s)" in out and "[ledger] iteration 0" in out
     assert _cli("audit", str(run), "--json", "--check", "ledger") == 1
-    assert json.loads(capsys.readouterr().out)["checks"] == {"ledger": 1}
+    assert json.loads(capsys.readouterr().out)["checks"] == {"ledger": 2}
 
 
 def test_not_a_run_folder(tmp_path):

@@ -37,11 +37,8 @@ def check_config(run: RunFolder) -> Iterator[Violation]:
     if run.config_hash_line != actual:
         yield v(f"config.yaml hashes to {actual} but its first line records {run.config_hash_line or 'no hash'}: "
                 "the effective config was edited after the run")
-    meta = run.path / "run.json"
-    if meta.is_file():
-        recorded = json.loads(meta.read_text()).get("config_hash")
-        if recorded != actual:
-            yield v(f"run.json records config hash {recorded}, config.yaml hashes to {actual}")
+    if run.run_meta and run.run_meta.get("config_hash") != actual:
+        yield v(f"run.json records config hash {run.run_meta.get('config_hash')}, config.yaml hashes to {actual}")
 
 
 def check_seal(run: RunFolder) -> Iterator[Violation]:
@@ -319,11 +316,7 @@ def check_ledger(run: RunFolder) -> Iterator[Violation]:
         rows[(r["iteration"], r["group_id"])].append(r)
     if run.ledger_errors and not run.ledger:
         return
-    per_iter = Counter(it for it, _ in rows)
-    limit = run.cfg.data.prompts_per_iter
-    for it, count in sorted(per_iter.items()):
-        if count > limit:
-            yield Violation("ledger", f"{count} groups recorded, more than data.prompts_per_iter={limit}", it)
+    yield from _ledger_vs_sampler(run, rows, max([it for it, _ in [*rows, *trained]], default=-1))
     for (it, g), entries in rows.items():
         v = lambda msg: Violation("ledger", msg, it, g)  # noqa: E731, B023
         statuses = [e["status"] for e in entries]
@@ -356,6 +349,38 @@ def check_ledger(run: RunFolder) -> Iterator[Violation]:
             if e.get("penalised", 0) != errored:
                 yield Violation("ledger", f"ledger counts {e.get('penalised', 0)} penalised samples, the file "
                                 f"holds {errored} errored rewards", it, g)
+
+
+def _ledger_vs_sampler(run: RunFolder, rows: dict[tuple[int, str], list[dict]], last: int) -> Iterator[Violation]:
+    """Replay the prompt sampler (its batches depend only on the number of training prompts,
+    data.prompts_per_iter and run.seed): each iteration's ledger holds one row per prompt it
+    passed, and no prompt comes twice in one epoch. This is what catches a dropped group whose
+    ledger row was lost: nothing else names it."""
+    num_prompts = run.run_meta.get("num_train_prompts")
+    if not num_prompts:
+        yield Violation("ledger", "run.json records no num_train_prompts: the sampler's batches cannot be replayed")
+        return
+    by_iter: dict[int, list[tuple[str, str]]] = defaultdict(list)      # iteration -> [(group, prompt)]
+    for (it, g), entries in rows.items():
+        by_iter[it].append((g, entries[0]["prompt_id"]))
+    seen: dict[str, tuple[int, int]] = {}        # prompt_id -> (epoch, iteration) of its last use
+    sampler = replay_sampler(run.cfg, num_prompts)
+    for it in range(last + 1):
+        size = len(sampler.next_batch())
+        epoch = sampler.epoch                    # of this batch (next_batch opens a new epoch first)
+        if len(by_iter[it]) != size:
+            yield Violation("ledger", f"{len(by_iter[it])} groups recorded; the sampler passed {size} prompts", it)
+        for g, prompt in by_iter[it]:
+            if prompt in seen and seen[prompt][0] == epoch:
+                yield Violation("ledger", f"prompt {prompt} sampled again in epoch {epoch} "
+                                f"(already in iteration {seen[prompt][1]})", it, g)
+            seen[prompt] = (epoch, it)
+
+
+def replay_sampler(cfg, num_prompts: int):
+    """The prompt sampler of a run, as sealrl.trainer.setup.build_sampler builds it."""
+    from sealrl.data.sampler import PromptSampler
+    return PromptSampler(num_prompts, cfg.data.prompts_per_iter, seed=cfg.run.seed, shuffle=True)
 
 
 CHECKS: dict[str, Check] = {

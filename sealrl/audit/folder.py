@@ -46,6 +46,7 @@ class RunFolder:
     run_id: str
     config_hash_line: str            # the hash written on the first line of config.yaml
     config_hash: str                 # the hash of config.yaml's content, as Config.hash() computes it
+    run_meta: dict                   # run.json ({} when absent)
     files: list[IterationFile]       # sorted by iteration
     ledger: list[dict]
     ledger_errors: list[str]         # missing file, unparseable lines
@@ -76,7 +77,8 @@ def load_run(run_dir: str | Path) -> RunFolder:
              if _ITER_FILE.fullmatch(p.name)]
     files.sort(key=lambda f: f.iteration)
     ledger, errors = _read_ledger(path / "ledger.jsonl")
-    return RunFolder(path, cfg, cfg.run.name, hash_line, content_hash, files, ledger, errors)
+    meta = json.loads((path / "run.json").read_text()) if (path / "run.json").is_file() else {}
+    return RunFolder(path, cfg, cfg.run.name, hash_line, content_hash, meta, files, ledger, errors)
 
 
 def _read_file(path: Path) -> IterationFile:
