@@ -12,7 +12,7 @@ from sealrl.experience import (ExperienceBatch, PolicyVersion, Role, SampleMeta,
                                StopReason, group_id, pad_token_rows, sample_id)
 from sealrl.models.tiny import build_tiny_model
 from sealrl.placement.data_parallel import (PolicyBackward, assert_replicas_identical, data_parallel_step,
-                                            global_normaliser, launch, rank_seed, shard_batch,
+                                            fsdp2_shard, global_normaliser, launch, rank_seed, shard_batch,
                                             weights_checksum)
 from sealrl.placement.join import split_ids
 
@@ -75,6 +75,12 @@ def rank_main(rank: int, world_size: int) -> dict:
         stats, grads, params = step(model, shard, norm)
         out[mode] = {"norm": norm, "loss_share": stats["pg_loss_share"], "grad_norm": stats["grad_norm"],
                      "checksum": assert_replicas_identical(model), "grads": grads, "params": params}
+    model = make_model()  # FSDP2: parameters sharded, gradients reduce-scattered in backward
+    fsdp2_shard(model, list(model.model.layers))
+    stats = data_parallel_step(model, torch.optim.SGD(model.parameters(), lr=LR), shard,
+                               global_normaliser(shard.get("response_mask"), "token-mean", HORIZON), BACKWARD)
+    out["fsdp2"] = {"grad_norm": stats["grad_norm"], "checksum": assert_replicas_identical(model),
+                    "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}}
     return out
 
 
@@ -107,6 +113,14 @@ def test_two_ranks_give_the_one_process_update(one_and_two, mode):
     assert r0["grad_norm"] == pytest.approx(single[mode]["grad_norm"], rel=1e-5)
     moved = max_diff(single[mode]["params"], dict(make_model().named_parameters()))
     assert moved > 1e-3  # the step is not trivially zero
+
+
+def test_fsdp2_two_ranks_give_the_one_process_update(one_and_two):
+    single, ranks = one_and_two
+    r0, r1 = ranks[0]["fsdp2"], ranks[1]["fsdp2"]
+    assert r0["checksum"] == r1["checksum"]  # checksum over the full (gathered) tensors
+    assert max_diff(r0["params"], single["token-mean"]["params"]) <= 1e-6
+    assert r0["grad_norm"] == pytest.approx(single["token-mean"]["grad_norm"], rel=1e-5)
 
 
 def test_shards_are_contiguous_ranges_of_sorted_ids_and_counts_are_global(one_and_two):

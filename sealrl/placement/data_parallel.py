@@ -22,8 +22,14 @@ One optimizer step on N ranks must equal the same step on one process (DESIGN se
    seed; the minibatch order is NOT per-rank: it is drawn on the whole batch from the shared
    seed, then each minibatch is sharded by id.
 
-FSDP2 (`torch.distributed.fsdp.fully_shard`) is not used yet: see docs/placement notes in the
-issue report. `launch` runs a function on N local processes (tests, single-machine runs).
+FSDP2 (`fsdp2_shard`, torch.distributed.fsdp.fully_shard): parameters become DTensors sharded
+over ranks and FSDP reduce-scatters gradients in backward itself, AVERAGING them; the step then
+multiplies the sharded gradients by the world size to get the SUM (exact: a power-of-two world
+divides and multiplies exactly; otherwise within rounding). `set_gradient_divide_factor(1.0)`
+would avoid that but needs ReduceOp.PREMUL_SUM, which gloo lacks (torch 2.13). Works on CPU with
+gloo; the same code runs with nccl on GPUs.
+
+`launch` runs a function on N local processes (tests, single-machine runs).
 """
 from __future__ import annotations
 
@@ -97,11 +103,27 @@ def all_reduce_grads(params: list[torch.nn.Parameter]) -> None:
         offset += n
 
 
+def fsdp2_shard(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> torch.nn.Module:
+    """FSDP2 over all ranks: each block (e.g. `model.model.layers`) is one unit, then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh(_device().type, (world()[1],))
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a sharded DTensor (a collective: every rank must call it)."""
+    from torch.distributed.tensor import DTensor
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def weights_checksum(model: torch.nn.Module) -> str:
-    """sha256 over (name, tensor sha256) of the state dict, in name order."""
+    """sha256 over (name, tensor sha256) of the full state dict, in name order."""
     h = hashlib.sha256()
     for name, t in sorted(model.state_dict().items()):
-        h.update(f"{name}:{tensor_sha256(t)}".encode())
+        h.update(f"{name}:{tensor_sha256(_full(t))}".encode())
     return h.hexdigest()
 
 
@@ -157,14 +179,23 @@ def data_parallel_step(model, optimizer, shard: ExperienceBatch, norm: algos.Los
     SUM all-reduce of gradients, clip on the global gradient, step. Every rank calls it with
     the same normaliser; it waits for all ranks in the all-reduce. Returns this rank's loss
     share (sum over ranks = global loss) and the global gradient norm."""
+    from torch.distributed.tensor import DTensor
     optimizer.zero_grad(set_to_none=True)
-    stats = backward(model, shard, norm) if len(shard) else {}
     params = [p for p in model.parameters() if p.requires_grad]
-    all_reduce_grads(params)
+    fsdp = any(isinstance(p, DTensor) for p in params)
+    if fsdp and not len(shard):  # FSDP2 reduces inside backward: every rank must run one
+        raise ValueError("FSDP2 step with an empty shard: use at most as many ranks as samples")
+    stats = backward(model, shard, norm) if len(shard) else {}
+    if fsdp:  # reduce-scattered with AVG in backward: back to the SUM of shares
+        for p in params:
+            p.grad.mul_(world()[1])
+    else:
+        all_reduce_grads(params)
     for p in params:  # one process with an empty batch: no grads at all
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf")))
+    total = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    grad_norm = float(_full(total))
     if math.isfinite(grad_norm):  # same gradient on every rank: all skip or all step
         optimizer.step()
     return {**stats, "grad_norm": grad_norm}
