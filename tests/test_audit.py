@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from sealrl import faults
 from sealrl.audit import CHECK_NAMES, add_parser, audit_run
 from sealrl.experience.ids import digest
 from sealrl.rewards.verifiers import ArithmeticExactMatch
@@ -34,7 +35,11 @@ RUNS = {
     "drop": ["algorithm.reward_error=drop_group"],
     # filtered sampling records filtered_log_probs too
     "rloo_top_k": ["algorithm.name=rloo", "rollout.top_k=5", "rollout.top_p=0.9", "actor.loss=pg"],
+    # recovered faults (FAULTS): a failed generate call regenerated, a reward-role failure
+    # re-scored, a failed update rolled back and retried as attempt 1
+    "faults": ["algorithm.reward_error=retry"],
 }
+FAULTS = "rollout@2:raise,reward@1:raise,actor_update@1:raise"
 FLAKY = {"penalty", "drop"}
 REAL_REWARD_FN = trainer_setup.build_reward_fn
 
@@ -62,6 +67,9 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         for name, extra in RUNS.items():
             scorer = (lambda cfg: FlakyArith()) if name in FLAKY else REAL_REWARD_FN
             mp.setattr(trainer_setup, "build_reward_fn", scorer)
+            mp.setattr(faults, "_fired", set())      # entries fire once per process
+            if name == "faults":
+                mp.setenv("SEALRL_FAULTS", FAULTS)
             made[name] = _train(out, name, extra)
     # resumed: 2 iterations, then continue to 3 from the final checkpoint
     _train(out, "resumed", ["run.iterations=2"])
@@ -94,6 +102,9 @@ def test_the_passing_runs_exercise_the_rules(runs):
     """The passing runs above are not vacuous: one trained errored rewards with the penalty,
     one dropped groups with a reason, one recorded filtered log-probs."""
     assert "filtered_log_probs" in pq.read_table(_iter(runs["rloo_top_k"], 1)).column_names
+    metrics = [json.loads(x) for x in (runs["faults"] / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[1]["update/attempts"] == 2 and metrics[1]["reward/errors"] > 0
+    assert metrics[2]["rollout/failed_calls"] == 1 and metrics[2]["groups/regenerated_samples"] > 0
     table = pa.concat_tables([pq.read_table(p) for p in sorted((runs["penalty"] / "experience").iterdir())])
     assert "error" in table.column("reward_status").to_pylist()
     ledger = [json.loads(x) for x in (runs["drop"] / "ledger.jsonl").read_text().splitlines()]
