@@ -201,3 +201,35 @@ def test_ray_data_parallel_ranks_give_the_one_process_update(ray_pool):
         assert max_diff(group.call("parameters")[1], want) <= 1e-6
     finally:
         group.close()
+
+
+def test_driver_with_a_ray_rollout_pool_gives_the_local_run(tmp_path, tiny_model_dir, ray_pool, monkeypatch):
+    """The unchanged driver loop, its rollout role swapped for a RolloutPool over the 2 Ray
+    replicas (what placement=ray will build): the same experience, the same trained weights."""
+    from sealrl.experience.store import read_iteration
+    from sealrl.placement.rollout_pool import RolloutPool
+    from sealrl.trainer import setup
+    from sealrl.trainer.driver import train
+    from tests.test_driver_e2e import small_cfg
+    local = train(small_cfg(tmp_path / "local", tiny_model_dir))
+    build_roles, pools = setup.build_roles, []
+
+    def with_ray_rollout(cfg, run_id):
+        roles = build_roles(cfg, run_id)
+        roles.rollout = RolloutPool(ray_pool, timeout_s=120)
+        pools.append(roles.rollout)
+        return roles
+
+    monkeypatch.setattr(setup, "build_roles", with_ray_rollout)
+    remote = train(small_cfg(tmp_path / "ray", tiny_model_dir))
+    assert pools and {e["version"] for e in pools[0].served} >= {local["policy_version"]}
+    assert set().union(*(e["replica_of"].values() for e in pools[0].served)) == {0, 1}
+    assert pools[0].join_counts["placement/rollout_duplicate"] == 0.0
+    for it in (0, 1):
+        a = read_iteration(tmp_path / "local" / "e2e" / "experience" / f"iter_{it:06d}.parquet")
+        b = read_iteration(tmp_path / "ray" / "e2e" / "experience" / f"iter_{it:06d}.parquet")
+        assert a.sample_ids == b.sample_ids
+        assert [s.response_ids for s in a.samples] == [s.response_ids for s in b.samples]
+        assert torch.allclose(a.get("rollout_log_probs"), b.get("rollout_log_probs"), atol=1e-5, rtol=0)
+    assert remote["policy_version"] == local["policy_version"]   # same weights hash after training
+    assert remote["accuracy_after"] == local["accuracy_after"]
