@@ -206,6 +206,15 @@ def test_mixed_policy_versions(run):
     assert "policy_version" in _failed(run)
 
 
+def test_consumed_by_more_steps_than_minibatches(run):
+    """consumed_step is outside the seal: only the step arithmetic catches an update that ran
+    over the batch more often than actor.ppo_epochs x minibatches."""
+    _rewrite(_iter(run, 2), lambda c: c.update(consumed_step=[s + 5 for s in c["consumed_step"]]))
+    report = audit_run(run)
+    assert report.failed_checks() == ["policy_version"]
+    assert "6 optimizer steps consumed 16 samples" in report.violations[0].message
+
+
 def test_mask_of_wrong_length(run):
     def edit(c):
         c["response_mask"][2] = c["response_mask"][2][:-1]

@@ -164,6 +164,12 @@ def check_policy_version(run: RunFolder) -> Iterator[Violation]:
         consumed = f.one("consumed_step")
         if consumed is not None and consumed <= version.step:
             yield v(f"consumed at step {consumed}, not after the sampling version's step {version.step}")
+        elif consumed is not None:
+            actor = run.cfg.actor   # steps skipped for a non-finite gradient do not count: at most
+            most = actor.ppo_epochs * -(-f.num_rows // (actor.mini_batch_size or f.num_rows))
+            if consumed - version.step > most:
+                yield v(f"{consumed - version.step} optimizer steps consumed {f.num_rows} samples; "
+                        f"actor.ppo_epochs x minibatches allow at most {most}")
 
 
 def check_masks(run: RunFolder) -> Iterator[Violation]:
