@@ -5,11 +5,13 @@ for every trained sample (DESIGN sections 3-4), from the files alone, with no mo
     seal             every experience file rebuilds a sealed batch whose digest matches
     used_once        each sample trained once; consumed_step set and increasing across iterations
     groups_complete  groups of exactly rollout.n candidates 0..n-1 of one prompt, ids consistent
-    policy_version   one declared version per iteration, of this run, committed just before it
+    policy_version   one declared version per iteration, of this run, committed just before it;
+                     the update took no more optimizer steps than its minibatches
     masks            token-aligned lists as long as the response; log-probs finite and <= 0
     provenance       each field from a declared producer, at the version it must have
     rewards          errors carry no total and are never a score (except the explicit penalty)
-    ledger           every sampled prompt trained or dropped with a reason; never both
+    ledger           every prompt the (replayed) sampler passed was trained or dropped with a
+                     reason, never both; no prompt twice in an epoch
 
     .venv/bin/sealrl audit runs/arith_grpo          # exit status 1 on any violation
 

@@ -1,9 +1,11 @@
 """The audit checks: one small function per invariant of DESIGN sections 3-4, each yielding
 Violations. Names are stable (they are what `sealrl audit` prints and what tests match on).
 
-A check skips files the loader could not read (the seal check reports them) and, where a value
-it needs is itself broken (a file with two policy versions), compares against each row's own
-value, so that one corruption is reported by the check it belongs to and not by all of them.
+A check skips files the loader could not read (the seal check reports them) and skips a
+comparison whose reference value is itself broken (a file with two policy versions), which the
+check owning that value reports: one corruption is named by its check, not by all of them. The
+seal covers facts only; consumed_step, extra.* columns and derived fields (scores) are outside
+the digest, and the checks below are what hold them to account.
 """
 from __future__ import annotations
 
@@ -24,8 +26,6 @@ LOG_PROB_FIELDS = ("rollout_log_probs", "filtered_log_probs", "old_log_probs", "
 # log_softmax is <= 0 exactly in float32 on CPU; leave room for other kernels' last-bit rounding.
 LOG_PROB_EPS = 1e-6
 SCORE_TOL = 1e-5      # scores are float32, reward totals float64
-REWARD_COLUMNS = ("reward_status", "reward_total", "reward_components", "reward_scorer",
-                  "reward_scorer_version", "reward_message")
 OLD_PRODUCER = {"recompute": "actor", "bypass": "rollout"}
 
 
