@@ -12,7 +12,7 @@ from sealrl.experience import (ExperienceBatch, PolicyVersion, Role, SampleMeta,
                                StopReason, group_id, pad_token_rows, sample_id)
 from sealrl.models.tiny import build_tiny_model
 from sealrl.placement.data_parallel import (PolicyBackward, assert_replicas_identical, data_parallel_step,
-                                            fsdp2_shard, global_normaliser, launch, rank_seed, shard_batch,
+                                            all_reduce_sums, fsdp2_shard, global_normaliser, own_rows, launch, rank_seed, shard_batch,
                                             weights_checksum)
 from sealrl.placement.join import split_ids
 
@@ -69,6 +69,9 @@ def rank_main(rank: int, world_size: int) -> dict:
     batch = make_batch()
     shard = shard_batch(batch, rank, world_size)
     out = {"shard_ids": shard.sample_ids, "tokens": int(shard.get("response_mask").sum())}
+    minibatch = torch.tensor([6, 1, 3, 0])  # rows of a minibatch, in the shuffled order
+    out["own_rows"] = own_rows(batch, minibatch).tolist()
+    out["sums"] = all_reduce_sums({"a": 1.0 + rank, "b": 0.5})
     for mode in MODES:
         model = make_model()
         norm = global_normaliser(shard.get("response_mask"), mode, HORIZON)
@@ -125,7 +128,12 @@ def test_fsdp2_two_ranks_give_the_one_process_update(one_and_two):
 
 def test_shards_are_contiguous_ranges_of_sorted_ids_and_counts_are_global(one_and_two):
     single, ranks = one_and_two
-    ids = sorted(make_batch().sample_ids)
+    batch = make_batch()
+    ids = sorted(batch.sample_ids)
+    rows = [6, 1, 3, 0]  # ids p1/0 p3/1 p0/1 p3/0; sorted: p0/1 p1/0 | p3/0 p3/1
+    assert sorted(batch.sample_ids[i] for i in ranks[0]["own_rows"]) == sorted(batch.sample_ids[i] for i in rows)[:2]
+    assert ranks[0]["own_rows"] == [6, 3] and ranks[1]["own_rows"] == [1, 0]  # minibatch order kept
+    assert ranks[0]["sums"] == ranks[1]["sums"] == {"a": 3.0, "b": 1.0}
     assert ranks[0]["shard_ids"] == ids[:4] and ranks[1]["shard_ids"] == ids[4:]
     assert (ranks[0]["tokens"], ranks[1]["tokens"]) == (28, 4)   # very unequal shards
     for mode in MODES:

@@ -51,7 +51,6 @@ from sealrl import algos
 from sealrl.experience import ExperienceBatch
 from sealrl.models.logprobs import response_log_probs
 from sealrl.placement.join import split_ids
-from sealrl.roles.common import pad_width
 from sealrl.sync.manifest import tensor_sha256
 
 
@@ -71,6 +70,27 @@ def world() -> tuple[int, int]:
 def shard_batch(batch: ExperienceBatch, rank: int, world_size: int) -> ExperienceBatch:
     """This rank's shard: a contiguous range of the sorted sample ids (provenance kept)."""
     return batch.select_ids(split_ids(batch.sample_ids, world_size)[rank])
+
+
+def own_rows(batch: ExperienceBatch, idx: torch.Tensor) -> torch.Tensor:
+    """The rows of `idx` (a minibatch of `batch`, every rank holding the whole batch) that
+    this rank processes: a contiguous range of the minibatch's sorted sample ids. Order kept."""
+    rank, size = world()
+    if size == 1:
+        return idx
+    ids = [batch.samples[i].sample_id for i in idx.tolist()]
+    mine = set(split_ids(ids, size)[rank])
+    return idx[torch.tensor([sid in mine for sid in ids], dtype=torch.bool)]
+
+
+def all_reduce_sums(values: dict[str, float]) -> dict[str, float]:
+    """SUM of per-rank scalars (loss shares, token-weighted metrics); same keys on every rank."""
+    if world()[1] == 1 or not values:
+        return dict(values)
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return dict(zip(keys, t.tolist()))
 
 
 def global_normaliser(local_mask: torch.Tensor, mode: str, horizon: float) -> algos.LossNormaliser:
@@ -166,7 +186,8 @@ class PolicyBackward:
             lp, _, _ = response_log_probs(model, [list(s.prompt_ids) for s in part],
                                           [list(s.response_ids) for s in part],
                                           temperature=self.temperature, pad_id=self.pad_id)
-            loss, _ = algos.ppo_clip_loss(pad_width(lp, width), old[sl], adv[sl], mask[sl], norm,
+            lp = torch.nn.functional.pad(lp, (0, width - lp.shape[1]))  # (b, R) like the batch
+            loss, _ = algos.ppo_clip_loss(lp, old[sl], adv[sl], mask[sl], norm,
                                           clip_low=self.clip_low, clip_high=self.clip_high)
             loss.backward()
             total += float(loss.detach())
