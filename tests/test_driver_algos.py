@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from sealrl.audit import audit_run
 from sealrl.experience.store import read_iteration, read_table
 from sealrl.trainer.config import build_config
 from sealrl.trainer.driver import train
@@ -58,3 +59,5 @@ def test_algorithm_runs_and_records_provenance(tmp_path, name):
     assert ("values" in fields) == ("returns" in fields) == (cfg.algorithm.name == "ppo")
     assert ("filtered_log_probs" in fields) == (cfg.rollout.top_k > 0)
     assert rows[1]["actor/lr"] > 0 and rows[0]["groups/committed"] == 4
+    report = audit_run(run)
+    assert report.ok, report.summary()

@@ -9,6 +9,7 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
+from sealrl.audit import audit_run
 from sealrl.trainer.config import build_config
 from sealrl.trainer.driver import train
 
@@ -49,6 +50,8 @@ def test_kill_at_stage_then_resume_equals_straight_run(tmp_path, straight, stage
     _same_final(straight, tmp_path / "f")
     ledger = [json.loads(x) for x in (tmp_path / "f" / "ledger.jsonl").read_text().splitlines()]
     assert sorted(e["iteration"] for e in ledger) == sorted(list(range(4)) * 3)   # nothing duplicated
+    report = audit_run(tmp_path / "f")
+    assert report.ok, report.summary()
 
 
 def test_failed_rollout_and_update_recover_in_place(tmp_path, straight):
@@ -62,6 +65,8 @@ def test_failed_rollout_and_update_recover_in_place(tmp_path, straight):
     assert rows[2]["update/attempts"] == 2
     assert rows[3]["reward/errors"] == 12 and rows[3]["groups/dropped"] == 0   # re-scored on retry
     _same_final(straight, tmp_path / "f")   # same seeds, rolled-back state: same weights
+    report = audit_run(tmp_path / "f")
+    assert report.ok, report.summary()
 
 
 def test_corrupted_weight_sync_is_refused_naming_the_tensor(tmp_path):

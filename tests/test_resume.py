@@ -7,6 +7,7 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
+from sealrl.audit import audit_run
 from sealrl.trainer.checkpoint import CheckpointError
 from sealrl.trainer.config import build_config
 from sealrl.trainer.driver import train
@@ -50,6 +51,9 @@ def test_killed_and_resumed_run_equals_straight_run(tmp_path, algo):
     sa = json.loads((a / "summary.json").read_text())
     sb = json.loads((b / "summary.json").read_text())
     assert sa["accuracy_after"] == sb["accuracy_after"] and sa["iterations"] == sb["iterations"] == 6
+    for run in (a, b):
+        report = audit_run(run)
+        assert report.ok, report.summary()
 
 
 def test_incompatible_resume_is_refused_with_a_diff(tmp_path):
