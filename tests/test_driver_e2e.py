@@ -50,3 +50,16 @@ def test_existing_run_is_not_overwritten(tmp_path, tiny_model_dir):
     train(small_cfg(tmp_path, tiny_model_dir, "run.iterations=1"))
     with pytest.raises(ConfigError, match="already has checkpoints"):
         train(small_cfg(tmp_path, tiny_model_dir, "run.iterations=1"))
+
+
+def test_a_run_folder_in_use_is_refused(tmp_path, tiny_model_dir):
+    import pytest
+    from sealrl.trainer import setup
+    from sealrl.trainer.config import ConfigError
+    cfg = small_cfg(tmp_path, tiny_model_dir, "run.iterations=1")
+    held = setup.lock_run_dir(setup.open_run_dir(cfg))   # another process's run, as far as flock knows
+    try:
+        with pytest.raises(ConfigError, match="is in use by another process"):
+            train(cfg)
+    finally:
+        held.close()

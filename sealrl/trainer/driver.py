@@ -36,11 +36,13 @@ def train(cfg: Config) -> dict:
     threads = torch.get_num_threads()
     setup.make_deterministic(cfg)
     run_dir = setup.open_run_dir(cfg)
+    lock = setup.lock_run_dir(run_dir)
     roles = setup.build_roles(cfg, cfg.run.name)
     try:
         return _train(cfg, run_dir, roles)
     finally:
         roles.close()
+        lock.close()
         torch.set_num_threads(threads)
 
 

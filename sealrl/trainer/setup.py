@@ -3,6 +3,7 @@ Kept apart from the loop so that the loop reads like the state machine."""
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 from dataclasses import dataclass
@@ -37,6 +38,24 @@ def open_run_dir(cfg: Config) -> Path:
         raise ConfigError(f"run.name {cfg.run.name!r} escapes the output folder {base}")
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
+
+
+def lock_run_dir(run_dir: Path):
+    """An exclusive lock held for the whole run, so two processes never interleave their
+    iterations in one folder. Released by the OS however the process ends."""
+    import fcntl
+    handle = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        raise ConfigError(f"run folder {run_dir} is in use by another process "
+                          f"(pid {handle.read().strip() or '?'}); choose another run.name") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
 
 
 def write_run_files(run_dir: Path, cfg: Config, seeds: dict, extra: dict) -> None:
