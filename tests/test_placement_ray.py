@@ -107,9 +107,18 @@ def test_pools_config_rejects_unknown_keys_and_a_role_in_two_pools():
 
 # ---- Ray -----------------------------------------------------------------------------------
 
-def _descendants() -> list:
+def _ray_processes() -> list:
+    """This process's descendants that belong to Ray (gcs_server, raylet, workers, agents);
+    not e.g. multiprocessing's resource tracker, which other tests start and which stays."""
     import psutil
-    return psutil.Process().children(recursive=True)
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "ray" in " ".join(p.cmdline()) or p.name() in ("raylet", "gcs_server"):
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
 
 
 def _alive(p) -> bool:
@@ -137,7 +146,7 @@ def ray_pool(objects):
         group.close()
         pool.close()
     finally:
-        procs = _descendants()  # gcs_server, raylet, workers: all started by this process
+        procs = _ray_processes()  # gcs_server, raylet, workers: all started under this process
         ray.shutdown()
     assert procs, "expected Ray's processes under this one before shutdown"
     deadline = time.monotonic() + 20

@@ -148,15 +148,18 @@ def pools_from_config(pools: Mapping[str, Mapping[str, Any]]) -> dict[str, PoolS
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: int | None = None) -> None:
-    """A local Ray started by sealrl (address None: `num_cpus`/`num_gpus` cap it) or a cluster
-    started with `ray start --head` (address "auto" or host:port). No dashboard: nothing listens
-    beyond what Ray's own processes need."""
+    """A local Ray started by sealrl (address None: `num_cpus`/`num_gpus` cap it, no dashboard,
+    a 256 MiB object store: experience and small models only) or a cluster started with
+    `ray start --head` (address "auto" or host:port; its dashboard binds where `ray start
+    --dashboard-host` said, localhost by default). Every node needs the same sealrl installed."""
     import ray
     if address is None:
         ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
                  object_store_memory=256 * 2 ** 20)
     else:
-        ray.init(address=address, include_dashboard=False)
+        if num_cpus is not None or num_gpus is not None:
+            raise ValueError("init_ray: num_cpus/num_gpus are the cluster's own when an address is given")
+        ray.init(address=address)
 
 
 class RayPool:
