@@ -95,6 +95,33 @@ def test_a_replica_that_drops_a_sample_is_reported_by_id(objects):
         generate_by_id(group, requests, CONTRACT, v0.version, "run", 0)
 
 
+def test_a_pool_serving_mixed_versions_is_refused_by_name(objects):
+    from sealrl.placement.dispatch import ReplicaVersionError
+    from sealrl.placement.rollout_pool import RolloutPool
+    model, tok, (state, v0), (state1, v1), requests = objects
+    pool = RolloutPool(LocalWorkerGroup("rollout", [RolloutWorker(model, tok), RolloutWorker(model, tok)]))
+    assert pool.load(state, v0) == v0.version == pool.version
+    pool.group.workers[0].load(state1, v1)  # one replica moved on alone
+    with pytest.raises(ReplicaVersionError, match="different versions"):
+        pool.version
+    with pytest.raises(WorkerError, match="role rollout worker 1: generate: VersionNotHeldError"):
+        pool.generate(requests, CONTRACT, v1.version)
+
+
+def test_samples_stamped_with_another_version_are_rejected_as_stale(objects):
+    import dataclasses
+    model, tok, (state, v0), (_, v1), requests = objects
+
+    class Mislabelling(RolloutWorker):
+        def generate(self, reqs, contract, version):
+            return [dataclasses.replace(s, policy_version=v1.version) for s in super().generate(reqs, contract, version)]
+
+    group = LocalWorkerGroup("rollout", [Mislabelling(model, tok)])
+    sync_weights(group, state, v0)
+    with pytest.raises(MissingResultsError, match="no result for 18 sample"):
+        generate_by_id(group, requests, CONTRACT, v0.version, "run", 0)
+
+
 def test_pools_config_rejects_unknown_keys_and_a_role_in_two_pools():
     pools = pools_from_config({"train": {"roles": ["actor", "rollout"], "num_workers": 2},
                                "reward": {"roles": ["reward"]}})
@@ -132,7 +159,10 @@ def _alive(p) -> bool:
 @pytest.fixture(scope="module")
 def ray_pool(objects):
     """One local Ray (2 CPUs, no dashboard) and a standalone rollout pool of 2 replicas."""
-    ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'sealrl[ray]')")
+    try:
+        import ray
+    except ImportError as e:  # only this skips: every other failure of a Ray test is a failure
+        pytest.skip(f"ray cannot be imported ({e}); install it with pip install 'sealrl[ray]'")
     from sealrl.placement.workers import RayPool, RayWorkerGroup, init_ray
     model, tok = objects[0], objects[1]
     init_ray(num_cpus=2)
