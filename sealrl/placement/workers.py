@@ -37,8 +37,11 @@ class WorkerError(RuntimeError):
 
     @property
     def cause_type(self) -> str:
-        c = self.cause
-        return c.type_name if isinstance(c, RemoteCallError) else type(c).__name__
+        return _type_name(self.cause)
+
+
+def _type_name(e: BaseException | None) -> str:
+    return e.type_name if isinstance(e, RemoteCallError) else type(e).__name__
 
 
 class RemoteCallError(Exception):
@@ -231,8 +234,8 @@ class RayWorkerGroup:
         self.actors = [host.options(num_cpus=spec.num_cpus_per_worker / share,
                                     num_gpus=spec.num_gpus_per_worker / share,
                                     scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                        placement_group=pool.pg, placement_group_bundle_index=k),
-                                    name=None).remote(factory, threads)
+                                        placement_group=pool.pg, placement_group_bundle_index=k)
+                                    ).remote(factory, threads)
                        for k in range(self.num_workers)]
         self.attr("__class__", timeout_s=timeout_s)  # waits until every factory has run
 
@@ -262,7 +265,9 @@ class RayWorkerGroup:
         return ray.put(value)  # an ObjectRef given as a top-level argument arrives resolved
 
     def _collect(self, method: str, refs: dict, timeout_s: float | None) -> dict:
-        """Wait for every ref until one deadline; name the first worker that failed or is late."""
+        """Wait for every ref until one deadline; name the first worker that failed or is late.
+        A late task keeps running on its actor (Ray cannot stop it safely): later calls queue
+        behind it, so the caller treats a timed-out worker as failed (close and rebuild)."""
         import ray
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
@@ -279,8 +284,7 @@ class RayWorkerGroup:
                 out[k] = ray.get(done[0])
             except ray.exceptions.RayTaskError as e:
                 cause = e.cause if isinstance(e.cause, BaseException) else e
-                err = WorkerError(self.role, k, method, "", cause)
-                raise WorkerError(self.role, k, method, f"{err.cause_type}: {cause}", cause) from e
+                raise WorkerError(self.role, k, method, f"{_type_name(cause)}: {cause}", cause) from e
             except ray.exceptions.RayActorError as e:
                 raise WorkerError(self.role, k, method, f"the worker's process died: {e}", e) from e
         return out
