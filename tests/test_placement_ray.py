@@ -134,26 +134,34 @@ def test_pools_config_rejects_unknown_keys_and_a_role_in_two_pools():
 
 # ---- Ray -----------------------------------------------------------------------------------
 
-def _ray_processes() -> list:
-    """This process's descendants that belong to Ray (gcs_server, raylet, workers, agents);
-    not e.g. multiprocessing's resource tracker, which other tests start and which stays."""
-    import psutil
-    out = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if "ray" in " ".join(p.cmdline()) or p.name() in ("raylet", "gcs_server"):
-                out.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def _alive(p) -> bool:
-    import psutil
+def _proc(pid: int) -> tuple[int, str, str] | None:
+    """(parent pid, state, command line) from /proc (Linux); None once the process is gone."""
     try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+        stat = open(f"/proc/{pid}/stat").read()
+        cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+    return int(fields[1]), fields[0], cmd
+
+
+def _ray_processes() -> list[int]:
+    """Pids of this process's descendants that belong to Ray (gcs_server, raylet, workers,
+    agents); not e.g. multiprocessing's resource tracker, which other tests start and keep."""
+    import os
+    procs = {int(d): _proc(int(d)) for d in os.listdir("/proc") if d.isdigit()}
+    procs = {pid: info for pid, info in procs.items() if info}
+    mine, grew = {os.getpid()}, True
+    while grew:
+        new = {pid for pid, (ppid, _, _) in procs.items() if ppid in mine} - mine
+        mine |= new
+        grew = bool(new)
+    return sorted(pid for pid in mine - {os.getpid()} if "ray" in procs[pid][2])
+
+
+def _alive(pid: int) -> bool:
+    info = _proc(pid)
+    return info is not None and info[1] != "Z"
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +190,7 @@ def ray_pool(objects):
     deadline = time.monotonic() + 20
     while any(_alive(p) for p in procs) and time.monotonic() < deadline:
         time.sleep(0.2)
-    left = [f"{p.pid} {p.name()}" for p in procs if _alive(p)]
+    left = [(pid, (_proc(pid) or (0, "", ""))[2][:80]) for pid in procs if _alive(pid)]
     assert not left, f"Ray processes left after shutdown: {left}"
 
 
