@@ -2,6 +2,7 @@
 import json
 
 import pyarrow.parquet as pq
+import pytest
 
 from sealrl.experience.store import read_iteration
 from sealrl.trainer.config import build_config
@@ -16,8 +17,15 @@ def small_cfg(tmp_path, model_dir, *extra):
         *extra])
 
 
-def test_run_folder_is_complete(tmp_path, tiny_model_dir):
-    summary = train(small_cfg(tmp_path, tiny_model_dir))
+RAY = ["placement.backend=ray", "placement.rollout_replicas=2", "placement.num_cpus=2",
+       "placement.cpus_per_replica=0.5", "placement.timeout_s=120"]
+
+
+@pytest.mark.parametrize("placement", ["local", "ray"])
+def test_run_folder_is_complete(tmp_path, tiny_model_dir, placement):
+    if placement == "ray":
+        pytest.importorskip("ray", reason="placement=ray needs ray: pip install 'sealrl[ray]'")
+    summary = train(small_cfg(tmp_path, tiny_model_dir, *(RAY if placement == "ray" else [])))
     run = tmp_path / "e2e"
     for name in ("config.yaml", "run.json", "metrics.jsonl", "ledger.jsonl", "trace.json", "summary.json",
                  "model/config.json", "checkpoints/latest", "checkpoints/step_2/COMMITTED"):

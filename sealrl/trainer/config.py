@@ -209,6 +209,21 @@ class EvalConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class PlacementConfig:
+    backend: str = "local"                 # local (in-process) | ray (rollout replicas as Ray actors)
+    address: str = ""                      # "" = sealrl starts a local Ray; "auto" or host:port = a running cluster
+    num_cpus: int = 0                      # CPUs of a local Ray (0 = all of this machine)
+    rollout_replicas: int = 1              # standalone rollout replicas (placement.backend=ray)
+    cpus_per_replica: float = 1.0          # CPUs reserved per rollout replica
+    timeout_s: float = 300.0               # deadline of every remote call
+
+    def __post_init__(self):
+        _check(self.backend in ("local", "ray"), "placement.backend", "local or ray", self.backend)
+        _check(self.rollout_replicas >= 1, "placement.rollout_replicas", ">= 1", self.rollout_replicas)
+        _check(self.timeout_s > 0, "placement.timeout_s", "> 0", self.timeout_s)
+
+
+@dataclass(kw_only=True, slots=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -219,6 +234,7 @@ class Config:
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def to_dict(self) -> dict:
         return {f.name: {g.name: _plain(getattr(getattr(self, f.name), g.name))

@@ -6,7 +6,7 @@ import json
 import os
 import platform
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -71,7 +71,8 @@ def write_run_files(run_dir: Path, cfg: Config, seeds: dict, extra: dict) -> Non
     meta = {"config_hash": cfg.hash(), "code_commit": commit or "unknown",
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "platform": platform.platform(),
-            "torch_threads": torch.get_num_threads(), "placement": "local", "seeds": seeds, **extra}
+            "torch_threads": torch.get_num_threads(), "placement": cfg.to_dict()["placement"],
+            "seeds": seeds, **extra}
     (run_dir / "run.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
 
 
@@ -138,8 +139,12 @@ class Roles:
     critic: CriticWorker | None
     tokenizer: object
 
+    closers: list = field(default_factory=list)   # placement resources, closed last
+
     def close(self) -> None:
         self.reward.close()
+        for close in reversed(self.closers):
+            close()
 
 
 def total_optimizer_steps(cfg: Config) -> int:
@@ -155,7 +160,9 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
     horizon = cfg.rollout.max_new_tokens
     actor = ActorWorker(model, cfg.actor, cfg.algorithm, run_id, tok_hash, temperature, pad,
                         total_optimizer_steps(cfg), horizon)
-    rollout = RolloutWorker(model, tokenizer)
+    closers: list = []
+    rollout = RolloutWorker(model, tokenizer) if cfg.placement.backend == "local" else \
+        ray_rollout_pool(cfg, model, tokenizer, closers)
     reference = None
     if cfg.algorithm.kl_coef > 0:  # no reference model is loaded when the KL coefficient is 0
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
@@ -169,7 +176,35 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
         critic = CriticWorker(critic_model, cfg.critic, pad, cfg.actor.micro_batch_size,
                               cfg.actor.loss_agg, horizon)
     reward = RewardWorker(build_reward_fn(cfg), cfg.reward.num_workers, cfg.reward.timeout_s)
-    return Roles(actor, rollout, reward, reference, critic, tokenizer)
+    return Roles(actor, rollout, reward, reference, critic, tokenizer, closers)
+
+
+def ray_rollout_pool(cfg: Config, model, tokenizer, closers: list):
+    """placement.backend=ray: `rollout_replicas` standalone RolloutWorkers as Ray actors behind
+    a RolloutPool with the rollout role's interface, so the driver loop does not change.
+    Weights reach them only through the manifest-verified sync; requests are dispatched and
+    joined by sample id."""
+    import functools
+
+    import ray
+
+    from sealrl.placement.rollout_pool import RolloutPool
+    from sealrl.placement.workers import RayPool, RayWorkerGroup, init_ray, pools_from_config
+    p = cfg.placement
+    started = not ray.is_initialized()
+    if started:
+        init_ray(p.address or None, (p.num_cpus or None) if not p.address else None)
+        closers.append(ray.shutdown)
+    spec = pools_from_config({"rollout": {"roles": ["rollout"], "num_workers": p.rollout_replicas,
+                                          "num_cpus_per_worker": p.cpus_per_replica}})["rollout"]
+    pool = RayPool(spec, timeout_s=p.timeout_s)
+    closers.append(pool.close)
+    threads = max(1, int(p.cpus_per_replica))
+    group = RayWorkerGroup("rollout", functools.partial(RolloutWorker, model, tokenizer), pool,
+                           timeout_s=p.timeout_s, threads=threads)
+    rollout = RolloutPool(group, timeout_s=p.timeout_s)
+    closers.append(rollout.close)
+    return rollout
 
 
 def reference_version(roles: Roles) -> PolicyVersion | None:
