@@ -101,6 +101,7 @@ def _train(cfg: Config, run_dir, roles) -> dict:
     summary = {"accuracy_before": before.get("eval/accuracy"), "accuracy_after": after.get("eval/accuracy"),
                "wall_s": round(wall, 2), "iterations": it + 1, "algorithm": cfg.algorithm.name,
                "eval_before": before, "eval_after": after, "policy_version": version.id,
+               "weights_hash": version.weights_hash,
                "optimizer_steps": roles.actor.step, "config_hash": cfg.hash(), "run_dir": str(run_dir),
                "completed": it + 1 == cfg.run.iterations}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
