@@ -9,8 +9,9 @@ advantages, PPO-clip 0.2 token-mean loss (TRL's default `dapo`), KL to a frozen 
 no bf16, no gradient checkpointing, the whole 128-sample batch in one forward/backward.
 
 - sealrl: `train()` with the config below; per-iteration times are `time/iteration_s` of its
-  metrics.jsonl (generation, reward, reference, old log-probs, update, weight sync). sealrl
-  runs its default `algorithm.old_log_prob=recompute`: one extra actor forward before the update.
+  metrics.jsonl (generation, reward, reference, old log-probs, update, weight sync, writing the
+  sealed experience). sealrl runs its default `algorithm.old_log_prob=recompute` (one extra
+  actor forward before the update) unless --old-log-prob bypass is given.
 - TRL: `GRPOTrainer` given the model folder (it rebuilds the reference model from it);
   per-step times are on_step_begin -> on_step_end of a callback (generation, reward,
   reference, update). With num_iterations=1 TRL takes the old log-probs from the update's own
@@ -29,7 +30,8 @@ tokens of sample i, T = sum_i (P_i + R_i)):
       + 6 N T                               policy update (forward + backward)
 
 `useful_gflops` = F / median step time / 1e9, and `frac_of_matmul` = that / this machine's fp32
-matmul throughput at the same thread count (median of 1024x1024x1024 matmuls, measured here).
+matmul throughput at the same thread count (median of 15 1024x1024x1024 matmuls, measured before and after the
+runs; the higher of the two medians, as other processes only ever lower it).
 `ratio` = TRL median step time / sealrl median step time.
 
 Run:
@@ -68,11 +70,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch threads for both sides")
     p.add_argument("--rounds", type=int, default=2,
                    help="fresh sealrl-then-TRL runs; their timed steps are pooled (spreads load drift)")
+    p.add_argument("--old-log-prob", choices=("recompute", "bypass"), default="recompute",
+                   help="sealrl's algorithm.old_log_prob (recompute = its default, one extra forward)")
     p.add_argument("--skip", choices=("sealrl", "trl"), default=None, help="run one side only")
     return p.parse_args()
 
 
-def matmul_gflops(repeats: int = 9) -> float:
+def matmul_gflops(repeats: int = 15) -> float:
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     times = []
     for _ in range(repeats + 2):
@@ -108,6 +112,7 @@ def run_sealrl(args, workdir: Path, name: str) -> dict:
         "data.task=arith", f"data.num_train={NUM_TRAIN}", f"data.prompts_per_iter={PROMPTS}",
         f"rollout.n={N_GEN}", "rollout.temperature=1.0", f"rollout.max_new_tokens={args.max_new_tokens}",
         "algorithm.name=grpo", f"algorithm.kl_coef={BETA}", "algorithm.kl_in=loss", "algorithm.kl_estimator=k3",
+        f"algorithm.old_log_prob={args.old_log_prob}",
         f"actor.lr={LR}", "actor.lr_schedule=constant", "actor.loss=ppo", "actor.loss_agg=token-mean",
         "actor.clip_low=0.2", "actor.clip_high=0.2", "actor.grad_clip=1.0", "actor.micro_batch_size=128",
     ])
@@ -146,14 +151,32 @@ def run_trl(args, workdir: Path, name: str) -> dict:
                                                     return_dict=True)["input_ids"]) for r in rows[:64]]
 
     class Clock(TrainerCallback):
+        """Step time, and inside it the time of TRL's generation and of its whole experience
+        preparation (generation + reward + reference forward + advantages); the rest is the update."""
+
         def __init__(self):
-            self.times, self.lengths, self._t0 = [], [], 0.0
+            self.times, self.lengths, self.parts, self._t0 = [], [], [], 0.0
+            self._acc = {"generate": 0.0, "prepare": 0.0}
+
+        def timed(self, fn, key):
+            def wrapper(*a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    self._acc[key] += time.perf_counter() - t0
+            return wrapper
 
         def on_step_begin(self, *a, **k):
+            self._acc = {"generate": 0.0, "prepare": 0.0}
             self._t0 = time.perf_counter()
 
         def on_step_end(self, *a, **k):
-            self.times.append(time.perf_counter() - self._t0)
+            step = time.perf_counter() - self._t0
+            self.times.append(step)
+            self.parts.append({"time/generate_s": self._acc["generate"],
+                               "time/reward_reference_advantage_s": self._acc["prepare"] - self._acc["generate"],
+                               "time/update_s": step - self._acc["prepare"]})
 
         def on_log(self, _args, _state, _control, logs=None, **k):
             if logs and "completions/mean_length" in logs:
@@ -171,11 +194,16 @@ def run_trl(args, workdir: Path, name: str) -> dict:
     trainer = GRPOTrainer(model=str(MODEL), reward_funcs=exact_match, args=config, train_dataset=data,
                           processing_class=tokenizer, callbacks=[clock])
     trainer.remove_callback(PrinterCallback)   # no per-step log dicts on stdout
+    # Instance attributes shadow the methods TRL calls on itself (timing only; TRL 1.16 names).
+    trainer._generate = clock.timed(trainer._generate, "generate")
+    trainer._generate_and_score_completions = clock.timed(trainer._generate_and_score_completions, "prepare")
     trainer.train()
     prompt_mean = statistics.mean(prompt_len)   # the embedded prompts all have one length
     times = clock.times[args.warmup:]
     lengths = clock.lengths[args.warmup:len(clock.times)]
-    return {"times": times, "prompt_tokens": [[prompt_mean] * PROMPTS * N_GEN for _ in lengths],
+    parts = clock.parts[args.warmup:]
+    return {"times": times, "stages": {k: [p[k] for p in parts] for k in parts[0]},
+            "prompt_tokens": [[prompt_mean] * PROMPTS * N_GEN for _ in lengths],
             "response_tokens": [[m] * PROMPTS * N_GEN for m in lengths]}
 
 
@@ -210,6 +238,7 @@ def main() -> None:
     peak = matmul_gflops()
     n = num_params()
     report = {"max_new_tokens": args.max_new_tokens, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
+              "sealrl_old_log_prob": args.old_log_prob,
               "threads": args.threads, "params": n, "matmul_gflops": round(peak, 1),
               "torch": torch.__version__}
     runs: dict[str, list[dict]] = {"sealrl": [], "trl": []}
@@ -220,8 +249,10 @@ def main() -> None:
                 torch.set_num_threads(args.threads)   # train() restores the caller's count; be explicit
             if args.skip != "trl":
                 runs["trl"].append(run_trl(args, Path(tmp), f"trl{i}"))
+    peak = max(peak, matmul_gflops())   # again after: the higher of the two (less disturbed) one
+    report["matmul_gflops"] = round(peak, 1)
     if runs["sealrl"]:
-        report["sealrl"] = summarise(pooled(runs["sealrl"]), n, True, peak)
+        report["sealrl"] = summarise(pooled(runs["sealrl"]), n, args.old_log_prob == "recompute", peak)
     if runs["trl"]:
         import trl
         report["trl_version"] = trl.__version__
