@@ -2,8 +2,6 @@
 per-call deadline. Its own errors become status error/timeout records, never a score."""
 from __future__ import annotations
 
-import json
-
 from sealrl.experience import RewardRecord
 from sealrl.rewards.base import RewardSample
 from sealrl.rewards.pool import RewardPool
@@ -26,6 +24,3 @@ class RewardWorker:
     def close(self) -> None:
         self.pool.close()
 
-
-def ground_truth_text(truth) -> str:
-    return json.dumps(truth, sort_keys=True)

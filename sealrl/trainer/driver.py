@@ -12,14 +12,13 @@ import time
 
 import torch
 
-from sealrl import algos
+from sealrl import algos, faults
 from sealrl.experience import (ExperienceBatch, RewardRecord, RewardStatus, Role, SampleMeta, SamplingContract,
                                pad_token_rows)
 from sealrl.experience.store import write_iteration
 from sealrl.models.hf import save_causal_lm
 from sealrl.obs.metrics import MetricsLogger
 from sealrl.obs.progress import Progress
-from sealrl import faults
 from sealrl.trainer import setup
 from sealrl.trainer.config import Config
 from sealrl.trainer.derive import derive
@@ -246,7 +245,7 @@ def build_batch(cfg, it, kept, records, prompt_of, decode, contract, version) ->
     if contract.filtered:
         batch.put("filtered_log_probs", pad_token_rows([s.filtered_log_probs for s in samples], width, torch.float32),
                   Role.ROLLOUT, version.id)
+    first = records[samples[0].sample_id]
     batch.put("reward_records", [records[s.sample_id] for s in samples], Role.REWARD,
-              records[samples[0].sample_id].scorer_version and f"{records[samples[0].sample_id].scorer}@"
-              f"{records[samples[0].sample_id].scorer_version}")
+              f"{first.scorer}@{first.scorer_version}" if first.scorer_version else "")
     return batch

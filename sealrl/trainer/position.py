@@ -100,6 +100,3 @@ def checkpoint_model_state(folder: Path) -> dict:
     load_checkpoint(folder, [])
     return load_file(str(folder / "actor_model.safetensors"))
 
-
-def read_state(folder: Path) -> dict:
-    return json.loads((folder / "state.json").read_text())

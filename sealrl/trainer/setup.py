@@ -15,7 +15,7 @@ import yaml
 from sealrl.data.dataset import PromptSet, load_prompts, prompts_from_rows
 from sealrl.data.sampler import PromptSampler
 from sealrl.data.tasks import EMBEDDED_TASK, make_task
-from sealrl.experience import PolicyVersion, digest
+from sealrl.experience import digest
 from sealrl.models.hf import load_causal_lm, model_config_hash, tokenizer_hash
 from sealrl.roles.actor import ActorWorker
 from sealrl.roles.critic import CriticWorker
@@ -205,9 +205,4 @@ def ray_rollout_pool(cfg: Config, model, tokenizer, closers: list):
     rollout = RolloutPool(group, timeout_s=p.timeout_s)
     closers.append(rollout.close)
     return rollout
-
-
-def reference_version(roles: Roles) -> PolicyVersion | None:
-    return roles.reference.version if roles.reference else None
-
 
