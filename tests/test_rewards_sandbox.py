@@ -205,25 +205,35 @@ def test_writes_outside_the_work_folder_fail_and_leave_nothing():
 
 @needs_root
 def test_host_files_are_unreadable():
+    """World-readable files anywhere outside the visible system folders are out of sight: in
+    /tmp, in the checkout (wherever it lies), in a top-level folder or file no list names."""
     secret = secrets.token_hex(16)
-    readable = Path(f"/tmp/sealrl_escape_{secrets.token_hex(6)}")  # world-readable host file
-    readable.write_text(secret)
-    readable.chmod(0o644)
+    tag = secrets.token_hex(6)
+    readable = Path(f"/tmp/sealrl_escape_{tag}")
+    top_dir, top_file = Path(f"/sealrl_escape_dir_{tag}"), Path(f"/sealrl_escape_{tag}.txt")
+    top_dir.mkdir(mode=0o755)
+    for path in (readable, top_dir / "data.txt", top_file):
+        path.write_text(secret)
+        path.chmod(0o644)
     try:
-        paths = ["/etc/shadow", "/root/.bashrc", str(readable), str(REPO / "sealrl/__init__.py")]
+        paths = ["/etc/shadow", "/root/.bashrc", str(readable), str(REPO / "sealrl/__init__.py"),
+                 str(top_dir / "data.txt"), str(top_file)]
         code = textwrap.dedent(f"""
             for path in {paths!r}:
                 try:
-                    print("READ", path, open(path).read()[:40])
+                    text = open(path).read()[:40]
+                    print("READ" if text else "empty", path, text)
                 except OSError as e:
                     print("denied", path, e.errno)
         """)
         result = run_sandboxed(code)
     finally:
-        readable.unlink()
+        for path in (readable, top_dir / "data.txt", top_file):
+            path.unlink()
+        top_dir.rmdir()
     assert result.status is SandboxStatus.OK, result.stderr
-    assert "READ" not in result.stdout and secret not in result.stdout
-    assert result.stdout.count("denied") == 4
+    assert "READ" not in result.stdout and secret not in result.stdout, result.stdout
+    assert result.stdout.count("denied") == 5 and f"empty {top_file}" in result.stdout
 
 
 @needs_root

@@ -14,8 +14,10 @@ and returns a SandboxResult; it never raises for anything the code does. What is
   runs under a root init that is pid 1 of the namespace and exits with it, and then the kernel
   kills every process the code started, even ones that left the process group with setsid),
   mount (a private /proc; every mount
-  read-only; /tmp, /var/tmp, /dev/shm, /run and HIDDEN_PATHS covered by empty read-only tmpfs,
-  so world-readable files there, datasets included, and host unix sockets are out of sight;
+  read-only; an allow-list of system folders, VISIBLE_ROOTS, stays visible and every other
+  top-level folder (/home, /root, /tmp, /var, a checkout under /work or anywhere else) is
+  covered by an empty read-only tmpfs, as is /dev/shm, and every other top-level file by
+  /dev/null, so world-readable files, datasets included, and host unix sockets are out of sight;
   the working folder is a size-limited tmpfs, so writes never reach the host disk), ipc (no
   System V or POSIX IPC objects shared with, or left on, the host) and cgroup;
 - a scrubbed environment (PATH, LANG, HOME = the working folder, nothing of the parent's);
@@ -28,7 +30,7 @@ and returns a SandboxResult; it never raises for anything the code does. What is
   kills the launcher, then init, then the whole namespace.
 
 Not in force: a seccomp filter (the whole syscall surface of the kernel is reachable), a cgroup
-memory or pids limit, hiding world-readable files outside the covered folders (/etc, /usr).
+memory or pids limit, hiding world-readable files in the visible system folders (/etc, /usr).
 
 Where the platform refuses any of this (not root, unshare not permitted, no mount_setattr),
 the run is REFUSED with a message naming what failed, unless `allow_weak=True`: then it runs
@@ -60,13 +62,15 @@ from typing import Iterator, Sequence
 
 SANDBOX_PYTHON = "/usr/bin/python3"
 """Interpreter for the launcher and the code: it must be executable by an unprivileged uid and
-lie outside HIDDEN_PATHS (a venv under /root is neither)."""
+lie under VISIBLE_ROOTS (a venv in a checkout or under /root is neither)."""
 SANDBOX_UIDS = range(1_900_000_000, 1_900_004_096)
 """uids (and equal gids) leased to runs, one per concurrent run; no file on the host is theirs."""
-HIDDEN_PATHS = ("/home", "/root", "/work", "/mnt", "/media", "/srv", "/opt")
-"""Folders covered by an empty tmpfs inside the sandbox, besides /tmp, /var/tmp and /dev/shm."""
+VISIBLE_ROOTS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/dev",
+                 "/proc")
+"""The only top-level entries the sandboxed code sees (an allow-list: a folder the list does not
+name is covered, so a checkout or dataset in an unusual place is hidden too)."""
 _LOCK_DIR = "/run/sealrl-sandbox"  # root-only; one lock file per leased uid
-_SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")  # world-writable, or host sockets
+_COVERED_INSIDE_VISIBLE = ("/dev/shm",)  # world-writable, shared with the host
 _REFUSED_EXIT = 125  # launcher exit code after it reported a refusal on the status pipe
 _REAP_GRACE_S = 2.0  # after a SIGKILL, how long the pipes may take to close
 
@@ -104,7 +108,7 @@ def run_sandboxed(code: str, stdin: str = "", *, cpu_s: int = 2, wall_s: float =
                   memory_mb: int = 256, file_size_mb: int = 1, max_open_files: int = 32,
                   max_processes: int = 8, allow_weak: bool = False,
                   max_output_bytes: int = 64 * 1024, python: str = SANDBOX_PYTHON,
-                  hidden_paths: Sequence[str] = HIDDEN_PATHS) -> SandboxResult:
+                  visible_roots: Sequence[str] = VISIBLE_ROOTS) -> SandboxResult:
     """Run `code` (Python source) with `stdin` as its input, isolated and limited (module doc)."""
     for field, value in (("cpu_s", cpu_s), ("wall_s", wall_s), ("memory_mb", memory_mb),
                          ("file_size_mb", file_size_mb), ("max_open_files", max_open_files),
@@ -114,7 +118,7 @@ def run_sandboxed(code: str, stdin: str = "", *, cpu_s: int = 2, wall_s: float =
     if not isinstance(code, str) or not isinstance(stdin, str):
         raise TypeError("run_sandboxed: code and stdin must be str")
     weakened: list[str] = []
-    problem = _check_python(python, hidden_paths)
+    problem = _check_python(python, visible_roots)
     if problem:
         return _refused(problem)
     if os.geteuid() != 0:
@@ -133,7 +137,7 @@ def run_sandboxed(code: str, stdin: str = "", *, cpu_s: int = 2, wall_s: float =
             os.chmod(workdir, 0o700)
             config = {"parent_pid": os.getpid(), "python": python, "workdir": workdir,
                       "uid": uid, "allow_weak": allow_weak, "weakened": weakened,
-                      "masks": _masks(hidden_paths),
+                      **_masks(visible_roots),
                       "tmpfs_mb": 4 * math.ceil(file_size_mb), "cpu_s": math.ceil(cpu_s),
                       "memory_bytes": math.ceil(memory_mb * 2**20),
                       "file_bytes": math.ceil(file_size_mb * 2**20),
@@ -146,14 +150,23 @@ def run_sandboxed(code: str, stdin: str = "", *, cpu_s: int = 2, wall_s: float =
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _masks(hidden_paths: Sequence[str]) -> list[str]:
-    """Existing folders to cover, outermost only (a mount inside an empty tmpfs has no target)."""
-    out: list[str] = []
-    for p in sorted({os.path.normpath(p) for p in (*_SCRATCH_DIRS, *hidden_paths)}):
-        if os.path.isdir(p) and not os.path.islink(p) \
-                and not any(p.startswith(q.rstrip("/") + "/") for q in out):
-            out.append(p)
-    return out
+def _masks(visible_roots: Sequence[str]) -> dict[str, list[str]]:
+    """What to cover: {"masks": folders (tmpfs), "file_masks": files (/dev/null bound over)}.
+
+    Every top-level entry outside `visible_roots` (symlinks are skipped: what they point to is
+    either visible or covered itself), plus the shared scratch folders inside visible ones."""
+    visible = {os.path.normpath(p) for p in visible_roots}
+    masks, file_masks = [], []
+    for name in sorted(os.listdir("/")):
+        path = "/" + name
+        if path in visible or os.path.islink(path):
+            continue
+        if os.path.isdir(path):
+            masks.append(path)
+        elif os.path.isfile(path):
+            file_masks.append(path)
+    masks += [p for p in _COVERED_INSIDE_VISIBLE if os.path.isdir(p) and not os.path.islink(p)]
+    return {"masks": masks, "file_masks": file_masks}
 
 
 def _refused(message: str, wall_s: float = 0.0) -> SandboxResult:
@@ -161,13 +174,13 @@ def _refused(message: str, wall_s: float = 0.0) -> SandboxResult:
                          wall_s=wall_s, message=message)
 
 
-def _check_python(python: str, hidden_paths: Sequence[str]) -> str:
+def _check_python(python: str, visible_roots: Sequence[str]) -> str:
     real = os.path.realpath(python)
     if not os.path.isfile(real):
         return f"sandbox interpreter {python!r} does not exist"
-    for p in (*_SCRATCH_DIRS, *hidden_paths):
-        if real == p or real.startswith(p.rstrip("/") + "/"):
-            return f"sandbox interpreter {real!r} lies under {p!r}, which is hidden in the sandbox"
+    if not any(real.startswith(os.path.normpath(p) + "/") for p in visible_roots):
+        return (f"sandbox interpreter {real!r} lies outside the folders visible in the sandbox "
+                f"({', '.join(visible_roots)})")
     path = real
     while True:  # every folder on the way must be searchable, the file executable, by anyone
         mode = os.stat(path).st_mode
@@ -428,6 +441,8 @@ try:
     for p in cfg["masks"]:
         mount("tmpfs", p, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
               "size=64k,nr_inodes=64,mode=0755")
+    for p in cfg["file_masks"]:  # a bind mount of /dev/null reads as an empty file
+        mount("/dev/null", p, None, MS_BIND)
     workdir = make_workdir(os.path.join("/tmp", os.path.basename(workdir)), True)
     for p in cfg["masks"]:
         mount(None, p, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
