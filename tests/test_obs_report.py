@@ -129,7 +129,8 @@ def test_redone_iterations_replace_earlier_lines(tmp_path):
 
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory):
-    """Three iterations of GRPO on a tiny random model, with every installed logger."""
+    """Three iterations of GRPO (with a reference model) on a tiny random model, with every
+    installed logger."""
     from sealrl.models.hf import save_causal_lm
     from sealrl.models.tiny import build_tiny_model
     from sealrl.trainer.config import build_config
@@ -148,7 +149,7 @@ def real_run(tmp_path_factory):
             f"model.path={tmp / 'model'}", f"run.output_dir={tmp}", "run.name=obs", "run.iterations=3",
             "run.eval_every=2", "run.progress=false", "run.checkpoint_every=0", "data.num_train=64",
             "eval.num=8", "data.prompts_per_iter=4", "rollout.n=4", "rollout.max_new_tokens=4",
-            "actor.micro_batch_size=16", f"run.loggers={','.join(loggers)}"]))
+            "actor.micro_batch_size=16", "algorithm.kl_coef=0.01", f"run.loggers={','.join(loggers)}"]))
     finally:
         mp.undo()
     return tmp / "obs", loggers
@@ -163,6 +164,29 @@ def test_real_trace_is_a_valid_chrome_trace(real_run):
     rows = load_rows(run)
     assert set(stage_breakdown(rows[0])) - {"other"} <= stages
     assert all(abs(sum(stage_shares(r).values()) - 1.0) < 1e-6 for r in rows)
+
+
+def test_real_run_measured_metrics_agree(real_run):
+    """The measured metrics of a real run agree with each other and with the sealed facts."""
+    from sealrl.experience.store import read_iteration
+    run, _ = real_run
+    rows = load_rows(run)
+    last = rows[-1]
+    batch = read_iteration(run / "experience" / "iter_000002.parquet")
+    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch.samples)
+    for stage in ("reference", "old_log_prob"):  # same perf_counter span as time/<stage>_s
+        assert last[f"prep/{stage}_tokens_per_s"] == pytest.approx(tokens / last[f"time/{stage}_s"], rel=1e-9)
+        assert 0 <= last[f"prep/{stage}_queue_s"] < last["time/iteration_s"] - last["time/generate_s"]
+    assert "prep/critic_values_queue_s" not in last  # GRPO: no critic
+    for r in rows:
+        assert (0 < r["rollout/first_completion_s"] <= r["rollout/group_completion_s_min"]
+                <= r["rollout/group_completion_s_mean"] <= r["rollout/last_completion_s"] <= r["time/generate_s"])
+        assert r["rollout/samples_ok"] == 16 and r["rollout/samples_dropped"] == 0 == r["rollout/samples_retried"]
+        assert r["groups/effective_size_mean"] == 4 == r["groups/effective_size_min"]
+        shares = {k: v for k, v in r.items() if k.startswith("time/share_")}
+        assert shares == {f"time/share_{k}": v for k, v in stage_shares(r).items()}
+    step = int(batch.samples[0].policy_version.split("@")[1].split(".")[0])
+    assert last["rollout/policy_version_step"] == step
 
 
 def test_bad_trace_is_reported(tmp_path):

@@ -23,8 +23,9 @@ often faster for small models, because every multi-threaded op waits for a busy 
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -74,6 +75,10 @@ class RolloutSample:
     stop_reason: StopReason
     policy_version: PolicyVersion
     seed: int                                     # the per-candidate seed actually used
+    # Seconds from the start of the generate call to the end of the decode step this sample
+    # stopped at (eos, stop or length). A measurement, not a fact: no part of equality, of
+    # the sealed record or of any digest.
+    finish_s: float = field(default=0.0, compare=False)
 
 
 class VersionNotHeldError(RuntimeError):
@@ -149,6 +154,7 @@ class RolloutEngine:
     def generate(self, requests: list[GenerationRequest], contract: SamplingContract,
                  version: PolicyVersion) -> list[RolloutSample]:
         """Sample every requested candidate; samples come back in request, then candidate order."""
+        started = time.perf_counter()  # finish_s is measured from here
         snap = self._active  # read once: this call uses this version to the end
         if snap is None or snap.version != version:
             held = "nothing" if snap is None else str(snap.version)
@@ -170,12 +176,12 @@ class RolloutEngine:
         with torch.inference_mode():
             out = decode_loop(snap.backend, prompts, [prompt_index[req.prompt_ids] for req, _ in rows],
                               seeds, contract, self.device, self.eos_ids,
-                              StopChecker(self.tokenizer, contract.stop))
+                              StopChecker(self.tokenizer, contract.stop), started)
         filtered = contract.filtered
         return [RolloutSample(sample_id(req.group_id, cand), req.group_id, cand, req.prompt_ids,
                               tuple(out.tokens[i]), tuple(out.log_probs[i]),
                               tuple(out.filtered_log_probs[i]) if filtered else None,
-                              out.reasons[i], snap.version, seeds[i])
+                              out.reasons[i], snap.version, seeds[i], out.finish_s[i])
                 for i, (req, cand) in enumerate(rows)]
 
 

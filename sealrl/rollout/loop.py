@@ -10,9 +10,12 @@ also the compaction: a state no running row points to is dropped from the cache.
 
 What is per row, and never shared: the uniform that draws the token (a function of the
 candidate's seed and the step only), the sampled token, its log-probs and the stop decision.
+A row's finish time is taken once per step, after the step's tokens reached the host, so rows
+that stop at the same step share it exactly.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -31,11 +34,12 @@ class RowOutputs:
     log_probs: list[list[float]]
     filtered_log_probs: list[list[float]]
     reasons: list[StopReason | None]
+    finish_s: list[float]  # seconds from `started` to the end of the step the row stopped at
 
     @classmethod
     def empty(cls, rows: int) -> "RowOutputs":
         return cls([[] for _ in range(rows)], [[] for _ in range(rows)],
-                   [[] for _ in range(rows)], [None] * rows)
+                   [[] for _ in range(rows)], [None] * rows, [0.0] * rows)
 
 
 @dataclass
@@ -91,12 +95,14 @@ def _record(out: RowOutputs, alive: list[int], state: list[int], tokens: Tensor,
 
 def decode_loop(backend, prompts: list[tuple[int, ...]], group_of: list[int], seeds: list[int],
                 contract: SamplingContract, device: torch.device, eos_ids: frozenset[int],
-                stops: StopChecker) -> RowOutputs:
+                stops: StopChecker, started: float | None = None) -> RowOutputs:
     """Prefill each distinct prompt once, then sample all rows until every row stopped.
 
     prompts (G distinct prompt sequences); group_of[row] = index of the row's prompt;
-    seeds[row] = the row's candidate seed.
+    seeds[row] = the row's candidate seed; started = time.perf_counter() the finish times are
+    measured from (default: entering this function).
     """
+    started = time.perf_counter() if started is None else started
     ids, valid = _left_pad(prompts, device)  # (G, P)
     P, max_new = ids.shape[1], contract.max_new_tokens
     max_len = P + max_new - 1  # the last sampled token is never fed back
@@ -118,6 +124,9 @@ def decode_loop(backend, prompts: list[tuple[int, ...]], group_of: list[int], se
                                         contract.temperature, contract.top_k, contract.top_p)
         nxt = _record(out, alive, state, tokens, lps, flps, step == max_new - 1, eos_ids,
                       stop_ids, stops)
+        now = time.perf_counter() - started
+        for row in set(alive).difference(nxt.alive):  # rows that stopped at this step
+            out.finish_s[row] = now
         if not nxt.alive:
             break
         if nxt.parents != list(range(logits.shape[0])):  # states split or ended: new layout

@@ -23,7 +23,8 @@ from sealrl.trainer import setup
 from sealrl.trainer.config import Config
 from sealrl.trainer.derive import derive
 from sealrl.trainer.evaluate import evaluate
-from sealrl.trainer.iteration_metrics import batch_metrics, rollout_metrics, stage_shares
+from sealrl.trainer.iteration_metrics import (batch_metrics, from_stage_start, preparation_metrics, rollout_metrics,
+                                              share_metrics, version_metrics)
 from sealrl.trainer.ledger import new_iteration
 from sealrl.trainer.position import forget_after, restore_position, save_position
 from sealrl.trainer.state import Phase, StateMachine
@@ -78,7 +79,7 @@ def _train(cfg: Config, run_dir, roles) -> dict:
         version = sync_weights(roles, sm, it + 1)  # ACTOR_COMMITTED(v+1) -> ... -> ROLLOUT_READY(v+1)
         metrics["time/weight_sync_s"] = sm.stage_seconds["weight_sync"]
         metrics["time/iteration_s"] = time.perf_counter() - t0
-        metrics.update(stage_shares(sm.stage_seconds, metrics["time/iteration_s"]))
+        metrics.update(share_metrics(metrics))
         wall += metrics["time/iteration_s"]          # training time: evaluation is not counted
         metrics["time/train_wall_s"] = wall
         if cfg.run.eval_every and (it + 1) % cfg.run.eval_every == 0 and it + 1 < cfg.run.iterations:
@@ -143,7 +144,8 @@ def run_iteration(it, cfg: Config, roles, data, sampler, kl_ctl, contract, sm: S
             return []
 
     with sm.stage("generate", "rollout"):
-        groups = ledger.complete(generate(list(requests.values())), generate, requests)
+        timed = from_stage_start(generate, time.perf_counter())  # completion times on the stage's clock
+        groups = ledger.complete(timed(list(requests.values())), timed, requests)
     decode = lambda s: roles.tokenizer.decode(list(s.response_ids), skip_special_tokens=True)  # noqa: E731
     prompt_of = lambda g: by_id[ledger.groups[g].prompt_id]  # noqa: E731
     with sm.stage("reward", "reward"):
@@ -179,6 +181,9 @@ def run_iteration(it, cfg: Config, roles, data, sampler, kl_ctl, contract, sm: S
     with sm.stage("update", "actor"):
         metrics.update(update_with_rollback(cfg, roles, batch, version, it))
     metrics.update(batch_metrics(batch, roles.actor.step, version.step))
+    metrics.update(version_metrics(ledger.rows(), cfg.rollout.n, batch.group_ids, version.step))
+    recomputed = ("old_log_prob",) if cfg.algorithm.old_log_prob == "recompute" else ()
+    metrics.update(preparation_metrics(sm.stage_spans, batch, ("reference", "critic_values") + recomputed))
     metrics["kl/beta"] = kl_ctl.beta          # the beta this iteration used
     if cfg.algorithm.kl_target > 0:
         kl_ctl.update(metrics.get("kl/ref_kl", 0.0), len(batch))

@@ -1,11 +1,17 @@
 """Per-iteration metrics computed by the driver from rollout samples, reward records, the
-sealed batch and stage times. Every key is defined in docs/metrics.md."""
+ledger's rows, the sealed batch and stage times. Every key is defined in docs/metrics.md."""
 from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from sealrl import algos
 from sealrl.experience import ExperienceBatch, RewardStatus
+from sealrl.obs.timeline import stage_shares
 
 
 def rollout_metrics(groups, records, generate_s: float) -> dict[str, float]:
@@ -34,6 +40,12 @@ def rollout_metrics(groups, records, generate_s: float) -> dict[str, float]:
     }
     for reason in ("eos", "stop", "length", "error"):
         out[f"rollout/stop_{reason}_frac"] = reasons.count(reason) / len(samples)
+    # finish_s counts from the generate stage start (see from_stage_start).
+    group_done = torch.tensor([max(s.finish_s for s in ss) for ss in groups.values()], dtype=torch.float64)
+    out["rollout/first_completion_s"] = min(s.finish_s for s in samples)
+    out["rollout/last_completion_s"] = float(group_done.max())
+    out["rollout/group_completion_s_mean"] = float(group_done.mean())
+    out["rollout/group_completion_s_min"] = float(group_done.min())
     components: dict[str, list[float]] = {}
     for r in ok:
         for name, value in r.components.items():
@@ -65,8 +77,63 @@ def batch_metrics(batch: ExperienceBatch, consumed_step: int, sampled_version_st
     return out
 
 
-def stage_shares(stage_seconds: dict[str, float], iteration_s: float) -> dict[str, float]:
-    """Share of the iteration's wall time per stage (the synchronous loop is the critical path)."""
-    if iteration_s <= 0:
+def from_stage_start(generate: Callable, stage_start: float) -> Callable:
+    """`generate` whose samples' `finish_s` count from `stage_start` (a time.perf_counter()
+    value) instead of from the start of their own call: a retried candidate, sampled by a later
+    call, then completes as late as it really did within the generate stage."""
+    def call(requests):
+        offset = time.perf_counter() - stage_start
+        return [dataclasses.replace(s, finish_s=offset + s.finish_s) for s in generate(requests)]
+    return call
+
+
+def version_metrics(ledger_rows: list[dict], n: int, trained_group_ids: Sequence[str],
+                    version_step: int) -> dict[str, float]:
+    """Samples of the iteration's policy version by outcome, and the effective group size.
+
+    ledger_rows: IterationLedger.rows(), one per group the iteration asked for;
+    trained_group_ids: the group id of each sample of the sealed batch (the samples that reach
+    the loss). The synchronous driver samples an iteration with one version, so one set of
+    counts per iteration is the per-version count, stamped with `version_step`."""
+    per_group = Counter(trained_group_ids)
+    sizes = [per_group.get(row["group_id"], 0) for row in ledger_rows]
+    if not sizes:
         return {}
-    return {f"time/share_{name}": seconds / iteration_s for name, seconds in stage_seconds.items()}
+    return {
+        "rollout/policy_version_step": float(version_step),
+        "rollout/samples_ok": float(len(trained_group_ids)),
+        "rollout/samples_retried": float(sum(row["regenerated"] for row in ledger_rows)),
+        "rollout/samples_dropped": float(n * sum(row["status"] == "dropped" for row in ledger_rows)),
+        "groups/effective_size_mean": sum(sizes) / len(sizes),
+        "groups/effective_size_min": float(min(sizes)),
+    }
+
+
+def preparation_metrics(stage_spans: Sequence[tuple[str, float, float]], batch: ExperienceBatch,
+                        forward_stages: Iterable[str]) -> dict[str, float]:
+    """Tokens/s and queue time of each preparation stage that ran a forward pass over `batch`.
+
+    stage_spans: StateMachine.stage_spans, (stage, start, end) in seconds. A role's forward
+    processes every sample's prompt and response tokens (padding excluded). A stage's queue time
+    is the gap from the end of the latest stage that ended before it started to its start:
+    its input was complete then, and in the synchronous driver the gap is the driver's own
+    work (e.g. building the batch) that the role waited on."""
+    forward_stages = set(forward_stages)
+    num_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch.samples)
+    out = {}
+    for i, (name, start, end) in enumerate(stage_spans):
+        if name not in forward_stages:
+            continue
+        before = [e for _, _, e in stage_spans[:i] if e <= start]
+        if before:
+            out[f"prep/{name}_queue_s"] = start - max(before)
+        if end > start:
+            out[f"prep/{name}_tokens_per_s"] = num_tokens / (end - start)
+    return out
+
+
+def share_metrics(metrics_row: dict) -> dict[str, float]:
+    """`time/share_<stage>` and `time/share_other` of a row with `time/<stage>_s` and
+    `time/iteration_s`, by the timeline's one definition (sealrl.obs.timeline.stage_shares),
+    which the report uses too."""
+    return {f"time/share_{stage}": share for stage, share in stage_shares(metrics_row).items()}

@@ -42,6 +42,9 @@ class StateMachine:
         self._events: list[dict] = []
         self._t0 = time.perf_counter()
         self.stage_seconds: dict[str, float] = {}
+        # (stage, start, end) in time.perf_counter() seconds, this iteration, in end order:
+        # the gaps between stages are the queue times of docs/metrics.md.
+        self.stage_spans: list[tuple[str, float, float]] = []
 
     def to(self, phase: Phase, version: str) -> None:
         if _NEXT[self.phase] is not phase:
@@ -59,14 +62,16 @@ class StateMachine:
         try:
             yield
         finally:
-            dt = time.perf_counter() - t
+            end = time.perf_counter()
+            dt = end - t
             self.stage_seconds[name] = self.stage_seconds.get(name, 0.0) + dt
+            self.stage_spans.append((name, t, end))
             self._events.append({"name": name, "cat": role, "ph": "X", "ts": start, "dur": dt * 1e6,
                                  "pid": 0, "tid": role,
                                  "args": {"iteration": self.iteration, "role": role, "version": self.version}})
 
     def start_iteration(self, iteration: int) -> None:
-        self.iteration, self.stage_seconds = iteration, {}
+        self.iteration, self.stage_seconds, self.stage_spans = iteration, {}, []
 
     def _now(self) -> float:
         return (time.perf_counter() - self._t0) * 1e6
