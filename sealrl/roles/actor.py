@@ -2,7 +2,6 @@
 log-probs; the policy loss, backward and optimizer steps. It never samples."""
 from __future__ import annotations
 
-import copy
 import math
 from typing import TYPE_CHECKING
 
@@ -12,7 +11,8 @@ from sealrl import algos, faults
 from sealrl.experience import ExperienceBatch, PolicyVersion, Role
 from sealrl.models.hf import model_config_hash
 from sealrl.models.logprobs import response_log_probs
-from sealrl.roles.common import batch_log_probs, pad_width
+from sealrl.placement.data_parallel import all_reduce_grads, all_reduce_sums, own_rows, world
+from sealrl.roles.common import batch_log_probs, clone_state, pad_width
 from sealrl.sync.manifest import WeightManifest, build_manifest
 
 if TYPE_CHECKING:  # roles never import the trainer at run time (import direction)
@@ -46,6 +46,9 @@ class ActorWorker:
         self.attempt = 0        # tries of the current update (a rolled-back update retries)
         self.skipped_steps = 0  # optimizer steps skipped for a non-finite gradient
         self.iteration = 0      # the iteration being updated (names fault-injection points)
+        self._kept = None       # (batch, version id, log-probs, entropy) of a fused old forward
+        self._has_dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()) \
+            or any(getattr(model.config, k, 0) for k in ("attention_dropout", "hidden_dropout", "dropout"))
 
     # ---- versions and export ------------------------------------------------------------
     def export(self) -> tuple[dict[str, torch.Tensor], WeightManifest]:
@@ -58,15 +61,41 @@ class ActorWorker:
     # ---- old log-probs ------------------------------------------------------------------
     def compute_old_log_probs(self, batch: ExperienceBatch, version: PolicyVersion) -> None:
         """Recompute mode: one actor forward on the sealed facts before any update. Written
-        once into `old_log_probs` and never overwritten across epochs and minibatches."""
+        once into `old_log_probs` and never overwritten across epochs and minibatches.
+
+        When the update will be exactly one optimizer step over one micro-batch of the whole
+        batch, that step's forward is this same forward (same weights, same rows, same order),
+        so it runs once with gradients on and the update reuses it (`_kept`) instead of
+        running it again; the numbers written are the same."""
+        if self._single_step(len(batch)):
+            self.model.train()
+            lp, ent = self._forward(batch, torch.arange(len(batch)))
+            self._kept = (batch, version.id, lp, ent)
+            batch.put("old_log_probs", lp.detach().masked_fill(~batch.token_mask(), 0.0), Role.ACTOR, version.id)
+            return
         self.model.eval()
         lp, _ = batch_log_probs(self.model, batch, self.temperature, self.pad_id, self.cfg.micro_batch_size)
         batch.put("old_log_probs", lp, Role.ACTOR, version.id)
 
+    def _single_step(self, b: int) -> bool:
+        """One process, one epoch, one minibatch, one micro-batch, nothing stochastic in the forward."""
+        cfg = self.cfg
+        return (world()[1] == 1 and cfg.ppo_epochs == 1 and (not cfg.mini_batch_size or cfg.mini_batch_size >= b)
+                and cfg.micro_batch_size >= b and not self._has_dropout)
+
+    def _forward(self, batch: ExperienceBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced log-probs and entropy of `rows`, (len(rows), R), gradients flowing."""
+        samples = [batch.samples[i] for i in rows.tolist()]
+        lp, ent, _ = response_log_probs(self.model, [list(s.prompt_ids) for s in samples],
+                                        [list(s.response_ids) for s in samples],
+                                        temperature=self.temperature, pad_id=self.pad_id, with_entropy=True)
+        width = batch.num_response_tokens
+        return pad_width(lp, width), pad_width(ent, width)
+
     # ---- rollback -----------------------------------------------------------------------
     def snapshot(self) -> dict:
         """The committed state (weights, optimizer, counters) to restore if an update fails."""
-        return {"model": copy.deepcopy(self.model.state_dict()), "optim": copy.deepcopy(self.optimizer.state_dict()),
+        return {"model": clone_state(self.model.state_dict()), "optim": clone_state(self.optimizer.state_dict()),
                 "step": self.step, "skipped": self.skipped_steps}
 
     def restore(self, snap: dict) -> None:
@@ -74,6 +103,7 @@ class ActorWorker:
         self.optimizer.load_state_dict(snap["optim"])
         self.step, self.skipped_steps = snap["step"], snap["skipped"]
         self.optimizer.zero_grad(set_to_none=True)
+        self._kept = None  # its graph saw the weights before they were loaded again
 
     # ---- update -------------------------------------------------------------------------
     def update(self, batch: ExperienceBatch, version: PolicyVersion, iteration: int, seed: int) -> dict:
@@ -89,33 +119,37 @@ class ActorWorker:
         mini = cfg.mini_batch_size or b
         gen = torch.Generator().manual_seed(seed)
         sums: dict[str, list[float]] = {}
+        kept, self._kept = self._kept, None  # used by this update's first try only
+        if kept is not None and (kept[0] is not batch or kept[1] != version.id):
+            kept = None
         self.model.train()
-        for epoch in range(cfg.ppo_epochs):
-            order = torch.randperm(b, generator=gen) if (cfg.ppo_epochs > 1 or mini < b) else torch.arange(b)
-            for start in range(0, b, mini):
-                idx = order[start:start + mini]
-                stats = self._optimizer_step(batch, idx, old, adv, mask, ref, weights)
-                for k, v in stats.items():
-                    sums.setdefault(k, []).append(v)
-        self.model.eval()
+        try:
+            for epoch in range(cfg.ppo_epochs):
+                order = torch.randperm(b, generator=gen) if (cfg.ppo_epochs > 1 or mini < b) else torch.arange(b)
+                for start in range(0, b, mini):
+                    idx = order[start:start + mini]
+                    stats = self._optimizer_step(batch, idx, old, adv, mask, ref, weights,
+                                                 kept=None if kept is None else kept[2:])
+                    for k, v in stats.items():
+                        sums.setdefault(k, []).append(v)
+        finally:
+            self.model.eval()
         out = {f"actor/{k}": sum(v) / len(v) for k, v in sums.items()}
         out["actor/skipped_steps"] = float(self.skipped_steps)
         return out
 
-    def _optimizer_step(self, batch, idx, old, adv, mask, ref, weights) -> dict[str, float]:
+    def _optimizer_step(self, batch, idx, old, adv, mask, ref, weights, kept=None) -> dict[str, float]:
         cfg, algo = self.cfg, self.algo
+        # Every data-parallel rank holds the whole batch: this normaliser is the global one.
         norm = algos.make_normaliser(mask[idx], cfg.loss_agg, horizon=self.horizon)
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
-        for start in range(0, len(idx), cfg.micro_batch_size):
-            mi = idx[start:start + cfg.micro_batch_size]
-            samples = [batch.samples[i] for i in mi.tolist()]
-            lp, ent, _ = response_log_probs(self.model, [list(s.prompt_ids) for s in samples],
-                                            [list(s.response_ids) for s in samples],
-                                            temperature=self.temperature, pad_id=self.pad_id,
-                                            with_entropy=True)
-            width = batch.num_response_tokens
-            lp, ent, m = pad_width(lp, width), pad_width(ent, width), mask[mi]
+        rows = own_rows(batch, idx)  # this rank's rows by sample id; all of idx on one process
+        for start in range(0, len(rows), cfg.micro_batch_size):
+            mi = rows[start:start + cfg.micro_batch_size]
+            # the fused old-log-prob forward covers exactly these rows (see compute_old_log_probs)
+            lp, ent = kept if kept is not None else self._forward(batch, mi)
+            m = mask[mi]
             loss, metrics = self._policy_loss(lp, old[mi], adv[mi], m, norm,
                                               None if weights is None else weights[mi])
             if ref is not None:
@@ -133,6 +167,10 @@ class ActorWorker:
             share = float(m.sum()) / max(1.0, float(mask[idx].sum()))
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + float(v) * share
+        # Data-parallel (no-ops on one process): the ranks' losses are shares of one loss, so
+        # gradients and metric shares are SUMMED; clip and step then match on every rank.
+        totals = all_reduce_sums(totals)
+        all_reduce_grads(list(self.model.parameters()))
         clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
         faults.point("before_optimizer_step", self.iteration)
