@@ -12,7 +12,7 @@ from sealrl.experience import (ExperienceBatch, PolicyVersion, Role, SampleMeta,
                                StopReason, group_id, pad_token_rows, sample_id)
 from sealrl.models.tiny import build_tiny_model
 from sealrl.placement.data_parallel import (PolicyBackward, assert_replicas_identical, data_parallel_step,
-                                            all_reduce_sums, fsdp2_shard, global_normaliser, own_rows, launch, rank_seed, shard_batch,
+                                            all_reduce_grads, all_reduce_sums, fsdp2_shard, global_normaliser, own_rows, launch, rank_seed, shard_batch,
                                             weights_checksum)
 from sealrl.placement.join import split_ids
 
@@ -72,6 +72,14 @@ def rank_main(rank: int, world_size: int) -> dict:
     minibatch = torch.tensor([6, 1, 3, 0])  # rows of a minibatch, in the shuffled order
     out["own_rows"] = own_rows(batch, minibatch).tolist()
     out["sums"] = all_reduce_sums({"a": 1.0 + rank, "b": 0.5})
+    out["union"] = all_reduce_sums({"a": 1.0} if rank == 0 else {"b": 2.0})  # a rank without rows lacks keys
+    used, unused, idle = (torch.nn.Parameter(torch.ones(2)) for _ in range(3))
+    if rank == 0:  # `idle` has a gradient on rank 0 only, `unused` on no rank
+        (used.sum() + 3 * idle.sum()).backward()
+    else:
+        used.sum().backward()
+    all_reduce_grads([used, unused, idle])
+    out["grads_after_reduce"] = (used.grad.tolist(), unused.grad, idle.grad.tolist())
     for mode in MODES:
         model = make_model()
         norm = global_normaliser(shard.get("response_mask"), mode, HORIZON)
@@ -134,6 +142,9 @@ def test_shards_are_contiguous_ranges_of_sorted_ids_and_counts_are_global(one_an
     assert sorted(batch.sample_ids[i] for i in ranks[0]["own_rows"]) == sorted(batch.sample_ids[i] for i in rows)[:2]
     assert ranks[0]["own_rows"] == [6, 3] and ranks[1]["own_rows"] == [1, 0]  # minibatch order kept
     assert ranks[0]["sums"] == ranks[1]["sums"] == {"a": 3.0, "b": 1.0}
+    assert ranks[0]["union"] == ranks[1]["union"] == {"a": 1.0, "b": 2.0}
+    # summed; a parameter no rank used keeps no gradient (as on one process: AdamW skips it)
+    assert ranks[0]["grads_after_reduce"] == ranks[1]["grads_after_reduce"] == ([2.0, 2.0], None, [3.0, 3.0])
     assert ranks[0]["shard_ids"] == ids[:4] and ranks[1]["shard_ids"] == ids[4:]
     assert (ranks[0]["tokens"], ranks[1]["tokens"]) == (28, 4)   # very unequal shards
     for mode in MODES:

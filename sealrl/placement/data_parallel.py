@@ -84,11 +84,16 @@ def own_rows(batch: ExperienceBatch, idx: torch.Tensor) -> torch.Tensor:
 
 
 def all_reduce_sums(values: dict[str, float]) -> dict[str, float]:
-    """SUM of per-rank scalars (loss shares, token-weighted metrics); same keys on every rank."""
-    if world()[1] == 1 or not values:
+    """SUM of per-rank scalars (loss shares, token-weighted metrics). A rank may lack keys (a
+    rank without rows in a minibatch has no metrics): the union is reduced, missing = 0."""
+    if world()[1] == 1:
         return dict(values)
-    keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=_device())
+    gathered: list[list[str] | None] = [None] * world()[1]
+    dist.all_gather_object(gathered, sorted(values))  # every rank waits for every key list
+    keys = sorted(set().union(*gathered))
+    if not keys:
+        return {}
+    t = torch.tensor([float(values.get(k, 0.0)) for k in keys], dtype=torch.float64, device=_device())
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return dict(zip(keys, t.tolist()))
 
@@ -107,10 +112,17 @@ def global_normaliser(local_mask: torch.Tensor, mode: str, horizon: float) -> al
 
 def all_reduce_grads(params: list[torch.nn.Parameter]) -> None:
     """SUM every trainable parameter's gradient over ranks, in one flat buffer.
-    A parameter without a gradient (empty shard, unused branch) takes part as zeros."""
+    A parameter without a gradient on this rank (empty shard) takes part as zeros; one that
+    has no gradient on ANY rank (an unused branch) stays None, as on one process, so the
+    optimizer skips it there too (AdamW would otherwise decay it and move its moments)."""
     if world()[1] == 1:
         return
     params = [p for p in params if p.requires_grad]
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=_device())
+    dist.all_reduce(has, op=dist.ReduceOp.SUM)
+    params = [p for p, h in zip(params, has.tolist()) if h]
+    if not params:
+        return
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)

@@ -11,6 +11,7 @@ import torch
 from sealrl import algos
 from sealrl.experience import ExperienceBatch, Role
 from sealrl.models.critic import CriticModel
+from sealrl.placement.data_parallel import all_reduce_grads, all_reduce_sums, own_rows
 from sealrl.roles.actor import lr_at
 from sealrl.roles.common import pad_width
 
@@ -62,19 +63,24 @@ class CriticWorker:
         """One pass of value-loss steps over the whole batch (global normaliser)."""
         mask, returns = batch.get("response_mask"), batch.get("returns")
         old_values = batch.get("values")
-        norm = algos.make_normaliser(mask, self.loss_agg, horizon=self.horizon)
+        norm = algos.make_normaliser(mask, self.loss_agg, horizon=self.horizon)  # whole batch: global
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         total, clip_frac = 0.0, 0.0
-        for start in range(0, len(batch), self.micro):
-            sl = slice(start, start + self.micro)
-            v, _, _ = self._values(batch.samples[sl])
+        rows = own_rows(batch, torch.arange(len(batch)))  # this data-parallel rank's rows (all on one process)
+        for start in range(0, len(rows), self.micro):
+            sl = rows[start:start + self.micro]
+            v, _, _ = self._values([batch.samples[i] for i in sl.tolist()])
             v = pad_width(v, batch.num_response_tokens)
             loss, metrics = algos.value_loss(v, old_values[sl], returns[sl], mask[sl], norm,
                                              clip_eps=self.cfg.value_clip or None)
             loss.backward()
             total += float(loss.detach())
             clip_frac += float(metrics.get("value_clip_frac", 0.0)) * float(mask[sl].sum()) / max(1.0, float(mask.sum()))
+        # Data-parallel (no-ops on one process): losses are shares of one loss, so SUM.
+        sums = all_reduce_sums({"value_loss": total, "clip_frac": clip_frac})
+        total, clip_frac = sums["value_loss"], sums["clip_frac"]
+        all_reduce_grads(list(self.model.parameters()))
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
         if math.isfinite(grad_norm):

@@ -216,9 +216,15 @@ class PlacementConfig:
     rollout_replicas: int = 1              # standalone rollout replicas (placement.backend=ray)
     cpus_per_replica: float = 1.0          # CPUs reserved per rollout replica
     timeout_s: float = 300.0               # deadline of every remote call
+    actor_workers: int = 1                 # data-parallel actor ranks (> 1: Ray actors in one gloo/nccl group)
+    critic_workers: int = 1                # data-parallel critic ranks (PPO; > 1 as for the actor)
 
     def __post_init__(self):
         _check(self.backend in ("local", "ray"), "placement.backend", "local or ray", self.backend)
+        for key in ("actor_workers", "critic_workers"):
+            n = getattr(self, key)
+            _check(n >= 1, f"placement.{key}", ">= 1", n)
+            _check(n == 1 or self.backend == "ray", f"placement.{key}", "1 unless placement.backend=ray", n)
         _check(self.rollout_replicas >= 1, "placement.rollout_replicas", ">= 1", self.rollout_replicas)
         _check(self.timeout_s > 0, "placement.timeout_s", "> 0", self.timeout_s)
 

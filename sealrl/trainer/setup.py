@@ -2,6 +2,7 @@
 Kept apart from the loop so that the loop reads like the state machine."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -158,9 +159,12 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
     tok_hash = tokenizer_hash(tokenizer)
     temperature, pad = cfg.rollout.temperature, tokenizer.pad_token_id
     horizon = cfg.rollout.max_new_tokens
-    actor = ActorWorker(model, cfg.actor, cfg.algorithm, run_id, tok_hash, temperature, pad,
-                        total_optimizer_steps(cfg), horizon)
+    make_actor = functools.partial(ActorWorker, model, cfg.actor, cfg.algorithm, run_id, tok_hash, temperature,
+                                   pad, total_optimizer_steps(cfg), horizon)
+    actor = make_actor()
     closers: list = []
+    if cfg.placement.actor_workers > 1:
+        actor = data_parallel_role(cfg, "actor", make_actor, actor, closers)
     rollout = RolloutWorker(model, tokenizer) if cfg.placement.backend == "local" else \
         ray_rollout_pool(cfg, model, tokenizer, closers)
     reference = None
@@ -173,10 +177,27 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
         from sealrl.models.critic import CriticModel
         torch.manual_seed(cfg.run.seed + 1)
         critic_model = CriticModel.from_causal_lm(model)   # backbone copied from the policy, new head
-        critic = CriticWorker(critic_model, cfg.critic, pad, cfg.actor.micro_batch_size,
-                              cfg.actor.loss_agg, horizon)
+        make_critic = functools.partial(CriticWorker, critic_model, cfg.critic, pad, cfg.actor.micro_batch_size,
+                                        cfg.actor.loss_agg, horizon)
+        critic = make_critic()
+        if cfg.placement.critic_workers > 1:
+            critic = data_parallel_role(cfg, "critic", make_critic, critic, closers)
     reward = RewardWorker(build_reward_fn(cfg), cfg.reward.num_workers, cfg.reward.timeout_s)
     return Roles(actor, rollout, reward, reference, critic, tokenizer, closers)
+
+
+def data_parallel_role(cfg: Config, role: str, make_worker, local, closers: list):
+    """placement.<role>_workers > 1: the actor or critic as that many data-parallel Ray actors
+    in one process group, behind a facade with the worker's interface (placement/train_group.py).
+    `local`, built from the same factory, stays here as the mirror of rank 0 for checkpoints."""
+    from sealrl.placement import train_group
+    train_group.start_ray(cfg.placement, closers)
+    rank, facade = {"actor": (train_group.ActorRank, train_group.ActorGroup),
+                    "critic": (train_group.CriticRank, train_group.CriticGroup)}[role]
+    group = train_group.ray_train_group(role, functools.partial(rank, make_worker, cfg.run.seed),
+                                        getattr(cfg.placement, f"{role}_workers"), local.model,
+                                        cfg.placement.timeout_s, closers)
+    return facade(group, local, cfg.placement.timeout_s)
 
 
 def ray_rollout_pool(cfg: Config, model, tokenizer, closers: list):

@@ -1,0 +1,356 @@
+"""Data-parallel actor and critic: N Ray actors joined in one torch.distributed group, behind
+the interface of one ActorWorker / CriticWorker, so the driver loop does not change
+(`placement.actor_workers` / `placement.critic_workers` > 1, `placement.backend=ray`).
+
+Each rank hosts an ordinary ActorWorker (CriticWorker). Every rank receives the WHOLE batch
+(one object-store copy) and runs the same update loop: the same minibatch order from the
+shared seed, the same normaliser counted on the whole minibatch (global by construction), then
+in every optimizer step it keeps only its rows, a contiguous range of the minibatch's sorted
+sample ids (`data_parallel.own_rows`). Its loss is its share of the global loss; gradients and
+metric shares are SUMMED over ranks (`all_reduce_grads`, `all_reduce_sums`), so clip and AdamW
+see the one-process gradient on every rank and the replicas stay identical. Per-rank torch
+seeds are derived (`rank_seed`), never random.
+
+Forward-only work is split, not repeated: old log-probs (recompute mode) and critic values are
+computed on each rank's shard of sorted ids and joined by sample id on the driver.
+
+The driver keeps a local copy of the role (`local`), built from the same arguments: it mirrors
+rank 0 for checkpoints and `save_causal_lm`. It is pulled from rank 0 lazily after an update
+(`model`, `optimizer`), and pushed to every rank when a checkpoint is restored into it:
+position.restore_position loads `model` and `optimizer`, then sets `step`, and setting `step`
+is the push. `export()` takes rank 0's weights, checks every other rank's weights hash against
+them (ReplicaMismatchError names the rank) and builds the manifest on the driver.
+
+Process group: gloo (the roles train on CPU today); nccl when the role's model is on CUDA.
+FSDP2 (`data_parallel.fsdp2_shard`) is not used here: a sharded model's state dict is DTensors,
+which export, snapshots and checkpoints would first have to gather.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from sealrl.experience import ExperienceBatch, PolicyVersion, Role
+from sealrl.placement.data_parallel import ReplicaMismatchError, rank_seed, shard_batch, world
+from sealrl.placement.workers import WorkerGroup
+from sealrl.roles.actor import ActorWorker
+from sealrl.roles.common import batch_log_probs
+from sealrl.roles.critic import CriticWorker
+from sealrl.sync.manifest import WeightManifest, build_manifest, entries_digest, tensor_entry
+
+
+# ---- inside each Ray actor -----------------------------------------------------------------
+
+class TrainRank:
+    """One data-parallel rank of a trainable role (hosted by workers._RoleHost). The process
+    group is joined after construction (RayWorkerGroup.init_process_group), then `setup`."""
+
+    def __init__(self, make_worker: Callable[[], Any], run_seed: int) -> None:
+        self.worker = make_worker()
+        self.run_seed = run_seed
+        self._snapshot: dict | None = None
+
+    def setup(self) -> int:
+        """After joining the group: this rank's derived seed, deterministic kernels."""
+        rank, _ = world()
+        torch.manual_seed(rank_seed(self.run_seed, rank))
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        return rank
+
+    def weights(self) -> dict[str, torch.Tensor] | str:
+        """Rank 0: a detached CPU copy of its weights; every other rank: its weights hash."""
+        state = {k: v.detach().cpu().clone() for k, v in self.worker.model.state_dict().items()}
+        if world()[0] == 0:
+            return state
+        return entries_digest({name: tensor_entry(t) for name, t in state.items()})
+
+    def state(self) -> tuple[dict, dict]:
+        """(model state, optimizer state) for the driver's mirror."""
+        return self.worker.model.state_dict(), self.worker.optimizer.state_dict()
+
+    def load_state(self, model_state: dict, optim_state: dict, counters: dict[str, int]) -> None:
+        self.worker.model.load_state_dict(model_state, strict=True)
+        self.worker.optimizer.load_state_dict(optim_state)
+        self.set_counters(counters)
+
+    def set_counters(self, counters: dict[str, int]) -> None:
+        for name, value in counters.items():
+            setattr(self.worker, name, value)
+
+    def keep_snapshot(self) -> None:
+        """The committed state, kept here (never shipped) until `restore_snapshot`."""
+        self._snapshot = self.worker.snapshot()
+
+    def restore_snapshot(self) -> None:
+        self.worker.restore(self._snapshot)
+
+
+class ActorRank(TrainRank):
+    def old_log_probs(self, batch: ExperienceBatch) -> tuple[list[str], torch.Tensor]:
+        """(sample ids, (b, R) log-probs) of this rank's shard: the actor's recompute forward."""
+        shard, w = shard_batch(batch, *world()), self.worker
+        w.model.eval()
+        lp, _ = batch_log_probs(w.model, shard, w.temperature, w.pad_id, w.cfg.micro_batch_size)
+        return shard.sample_ids, lp
+
+    def update(self, batch: ExperienceBatch, version: PolicyVersion, iteration: int, seed: int):
+        metrics = self.worker.update(batch, version, iteration, seed)
+        return metrics, {"step": self.worker.step, "skipped_steps": self.worker.skipped_steps}
+
+
+class CriticRank(TrainRank):
+    def values(self, batch: ExperienceBatch) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+        """(sample ids, (b, R) values, (b,) last values) of this rank's shard."""
+        shard = shard_batch(batch, *world())
+        self.worker.compute(shard)
+        return shard.sample_ids, shard.get("values"), shard.get("last_values")
+
+    def update(self, batch: ExperienceBatch):
+        return self.worker.update(batch), {"step": self.worker.step}
+
+
+# ---- on the driver -------------------------------------------------------------------------
+
+def join_rows(batch: ExperienceBatch, parts: list[tuple[list[str], torch.Tensor]]) -> torch.Tensor:
+    """Every rank's rows put at their sample ids' positions in `batch`; each id exactly once."""
+    pos = {sid: i for i, sid in enumerate(batch.sample_ids)}
+    ids = [sid for part_ids, _ in parts for sid in part_ids]
+    if sorted(ids) != sorted(pos):
+        missing, extra = sorted(set(pos) - set(ids)), sorted(set(ids) - set(pos))
+        raise RuntimeError(f"data-parallel shards do not cover the batch once: missing {missing[:3]}, "
+                           f"unknown {extra[:3]}, {len(ids)} rows for {len(pos)} ids")
+    rows = torch.cat([t for _, t in parts])
+    out = torch.empty_like(rows)
+    out[torch.tensor([pos[s] for s in ids], dtype=torch.long)] = rows
+    return out
+
+
+class Replicas:
+    """Plumbing both facades compose: the rank group and the driver's mirror of rank 0."""
+
+    def __init__(self, group: WorkerGroup, local, timeout_s: float | None = None) -> None:
+        self.group, self.local, self.timeout_s = group, local, timeout_s
+        self.model_stale = self.optim_stale = False   # the ranks moved on since the last pull
+
+    def call(self, method: str, *args) -> list:
+        return self.group.call(method, *args, timeout_s=self.timeout_s)
+
+    def share(self, batch: ExperienceBatch):
+        return self.group.put(batch)   # one copy in the object store, read by every rank
+
+    def changed(self) -> None:
+        self.model_stale = self.optim_stale = True
+
+    def model(self):
+        if self.model_stale or self.optim_stale:
+            self.pull()
+        return self.local.model
+
+    def optimizer(self):
+        if self.optim_stale:
+            self.pull()
+        return self.local.optimizer
+
+    def pull(self) -> None:
+        model_state, optim_state = self.group.map_shards("state", {0: ()}, timeout_s=self.timeout_s)[0]
+        self.local.model.load_state_dict(model_state, strict=True)
+        self.local.optimizer.load_state_dict(optim_state)
+        self.model_stale = self.optim_stale = False
+
+    def push(self, counters: dict[str, int]) -> None:
+        """The mirror's weights, optimizer state and counters onto every rank (resume)."""
+        model_state, optim_state = self.model().state_dict(), self.optimizer().state_dict()
+        self.call("load_state", self.group.put(model_state), self.group.put(optim_state), counters)
+
+    def check_weights(self, role: str, hashes: list[str], want: str) -> None:
+        bad = [r for r, h in enumerate(hashes, start=1) if h != want]
+        if bad:
+            raise ReplicaMismatchError(f"{role}: weights of ranks {bad} differ from rank 0 "
+                                       f"(rank 0 {want[:12]}, rank {bad[0]} {hashes[bad[0] - 1][:12]})")
+
+    def close(self) -> None:
+        self.group.close()
+
+
+class ActorGroup:
+    """The actor over N data-parallel ranks, with the ActorWorker interface the driver and
+    position.py use (export, compute_old_log_probs, update, snapshot, restore, step, attempt,
+    skipped_steps, model, optimizer)."""
+
+    def __init__(self, group: WorkerGroup, local: ActorWorker, timeout_s: float | None = None) -> None:
+        self.replicas = Replicas(group, local, timeout_s)
+        self.local = local
+
+    @property
+    def num_workers(self) -> int:
+        return self.replicas.group.num_workers
+
+    # counters live in the mirror; the ranks' copies are set by update and by a restore
+    @property
+    def step(self) -> int:
+        return self.local.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        """Restoring a checkpoint: position.py has loaded `model` and `optimizer`; push them."""
+        self.local.step = value
+        self.replicas.push({"step": value})
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.local.skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self.local.skipped_steps = value
+        self.replicas.call("set_counters", {"skipped_steps": value})
+
+    @property
+    def attempt(self) -> int:   # only the manifest uses it, and the manifest is built here
+        return self.local.attempt
+
+    @attempt.setter
+    def attempt(self, value: int) -> None:
+        self.local.attempt = value
+
+    @property
+    def model(self):
+        return self.replicas.model()
+
+    @property
+    def optimizer(self):
+        return self.replicas.optimizer()
+
+    def export(self) -> tuple[dict[str, torch.Tensor], WeightManifest]:
+        """EXPORTING(v): rank 0's weights; every other rank's weights hash must equal theirs."""
+        first, *hashes = self.replicas.call("weights")
+        loc = self.local
+        manifest = build_manifest(first, loc.run_id, loc.step, loc.attempt, loc.tokenizer_hash, loc.config_hash)
+        self.replicas.check_weights("actor", hashes, manifest.version.weights_hash)
+        loc.model.load_state_dict(first, strict=True)   # the mirror's weights are fresh now
+        self.replicas.model_stale = False
+        return first, manifest
+
+    def compute_old_log_probs(self, batch: ExperienceBatch, version: PolicyVersion) -> None:
+        """Recompute mode, split by sample id over the ranks and joined by id."""
+        parts = self.replicas.call("old_log_probs", self.replicas.share(batch))
+        batch.put("old_log_probs", join_rows(batch, parts), Role.ACTOR, version.id)
+
+    def update(self, batch: ExperienceBatch, version: PolicyVersion, iteration: int, seed: int) -> dict:
+        """Every rank runs ActorWorker.update on the whole batch, keeping its rows per step."""
+        self.replicas.changed()
+        results = self.replicas.call("update", self.replicas.share(batch), version, iteration, seed)
+        counters = results[0][1]
+        if any(c != counters for _, c in results):
+            raise ReplicaMismatchError(f"actor ranks disagree on counters: {[c for _, c in results]}")
+        self.local.step, self.local.skipped_steps = counters["step"], counters["skipped_steps"]
+        return results[0][0]   # metrics are all-reduced: the same on every rank
+
+    def snapshot(self) -> dict:
+        self.replicas.call("keep_snapshot")
+        return {"step": self.local.step, "skipped": self.local.skipped_steps}
+
+    def restore(self, snap: dict) -> None:
+        self.replicas.call("restore_snapshot")
+        self.replicas.changed()
+        self.local.step, self.local.skipped_steps = snap["step"], snap["skipped"]
+
+    def close(self) -> None:
+        self.replicas.close()
+
+
+class CriticGroup:
+    """The critic over N data-parallel ranks, with the CriticWorker interface (compute,
+    update, snapshot, restore, step, version, model, optimizer)."""
+
+    def __init__(self, group: WorkerGroup, local: CriticWorker, timeout_s: float | None = None) -> None:
+        self.replicas = Replicas(group, local, timeout_s)
+        self.local = local
+
+    @property
+    def num_workers(self) -> int:
+        return self.replicas.group.num_workers
+
+    @property
+    def step(self) -> int:
+        return self.local.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        """Restoring a checkpoint: position.py has loaded `model` and `optimizer`; push them."""
+        self.local.step = value
+        self.replicas.push({"step": value})
+
+    @property
+    def version(self) -> str:
+        return self.local.version
+
+    @property
+    def model(self):
+        return self.replicas.model()
+
+    @property
+    def optimizer(self):
+        return self.replicas.optimizer()
+
+    def compute(self, batch: ExperienceBatch) -> None:
+        """Values split by sample id over the ranks and joined by id."""
+        parts = self.replicas.call("values", self.replicas.share(batch))
+        batch.put("values", join_rows(batch, [(ids, v) for ids, v, _ in parts]), Role.CRITIC, self.version)
+        batch.put("last_values", join_rows(batch, [(ids, last) for ids, _, last in parts]), Role.CRITIC,
+                  self.version)
+
+    def update(self, batch: ExperienceBatch) -> dict[str, float]:
+        self.replicas.changed()
+        results = self.replicas.call("update", self.replicas.share(batch))
+        steps = [c["step"] for _, c in results]
+        if len(set(steps)) != 1:
+            raise ReplicaMismatchError(f"critic ranks disagree on the step: {steps}")
+        self.local.step = steps[0]
+        return results[0][0]
+
+    def snapshot(self) -> dict:
+        self.replicas.call("keep_snapshot")
+        return {"step": self.local.step}
+
+    def restore(self, snap: dict) -> None:
+        self.replicas.call("restore_snapshot")
+        self.replicas.changed()
+        self.local.step = snap["step"]
+
+    def close(self) -> None:
+        self.replicas.close()
+
+
+# ---- building on Ray -----------------------------------------------------------------------
+
+def start_ray(placement, closers: list) -> None:
+    """A local Ray started here (shut down by `closers`), or the cluster at placement.address;
+    nothing when Ray is already up (a test's, or another role's)."""
+    import ray
+
+    from sealrl.placement.workers import init_ray
+    if not ray.is_initialized():
+        init_ray(placement.address or None, (placement.num_cpus or None) if not placement.address else None)
+        closers.append(ray.shutdown)
+
+
+def ray_train_group(role: str, rank_factory: Callable[[], TrainRank], num_workers: int, model,
+                    timeout_s: float, closers: list) -> WorkerGroup:
+    """`num_workers` Ray actors (1 CPU each, in one placement group) hosting `rank_factory()`,
+    joined in one process group (gloo; nccl when `model` is on CUDA), each seeded by its rank."""
+    from sealrl.placement.workers import PoolSpec, RayPool, RayWorkerGroup
+    cuda = next(model.parameters()).is_cuda
+    spec = PoolSpec(name=role, roles=(role,), num_workers=num_workers, num_cpus_per_worker=1.0,
+                    num_gpus_per_worker=1.0 if cuda else 0.0)
+    pool = RayPool(spec, timeout_s=timeout_s)
+    closers.append(pool.close)
+    group = RayWorkerGroup(role, rank_factory, pool, timeout_s=timeout_s, threads=1)
+    closers.append(group.close)
+    group.init_process_group("nccl" if cuda else "gloo", timeout_s=timeout_s)
+    ranks = group.call("setup", timeout_s=timeout_s)
+    if ranks != list(range(num_workers)):
+        raise RuntimeError(f"{role}: ranks {ranks} do not match worker indices")
+    return group
