@@ -11,6 +11,7 @@ from sealrl.audit import audit_run
 from sealrl.trainer.checkpoint import CheckpointError
 from sealrl.trainer.config import build_config
 from sealrl.trainer.driver import train
+from sealrl.trainer.iteration_metrics import is_wall_clock
 
 ARGS = ["run.name=r", "run.iterations=6", "run.progress=false", "run.checkpoint_every=1",
         "run.threads=1", "data.num_train=40", "eval.num=8", "data.prompts_per_iter=4", "rollout.n=4",
@@ -20,8 +21,9 @@ ARGS = ["run.name=r", "run.iterations=6", "run.progress=false", "run.checkpoint_
 
 def _metrics(run):
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    # wall-clock figures (time/*, */*_per_s) differ between any two runs; everything else is bitwise
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and not k.endswith("_per_s")} for r in rows]
+    # wall-clock figures (stage times, latencies, throughputs) differ between any two runs;
+    # everything else is bitwise
+    return [{k: v for k, v in r.items() if not is_wall_clock(k)} for r in rows]
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])

@@ -160,7 +160,7 @@ class ExperienceBatch:
             if isinstance(item.value, torch.Tensor):
                 h.update(item.value.detach().cpu().contiguous().numpy().tobytes())
             else:
-                h.update(repr([getattr(v, "to_json", lambda v=v: repr(v))() for v in item.value]).encode())
+                h.update(repr([_record_key(v) for v in item.value]).encode())
         return h.hexdigest()
 
     # ---- views -------------------------------------------------------------------------
@@ -230,3 +230,10 @@ def pad_token_rows(rows: Sequence[Sequence[float]], width: int, dtype: torch.dty
         if len(row):
             out[i, : len(row)] = torch.as_tensor(list(row), dtype=dtype)
     return out
+
+
+def _record_key(record) -> tuple:
+    """What the seal digest covers of a per-sample record (a RewardRecord): every field, the
+    components in name order. A plain tuple: repr of the dataclass with its enum costs 8x."""
+    return (record.status.value, record.total, sorted(record.components.items()), record.scorer,
+            record.scorer_version, record.message)

@@ -14,6 +14,14 @@ from sealrl.experience import ExperienceBatch, RewardStatus
 from sealrl.obs.timeline import stage_shares
 
 
+def is_wall_clock(key: str) -> bool:
+    """Metrics measured with a clock (stage times, latencies, queue times, throughputs): they
+    differ between any two runs; every other metric is a function of the seeds and data, and
+    bitwise the same in a resumed or repeated run."""
+    last = key.rsplit("/", 1)[-1]
+    return key.startswith("time/") or last.endswith(("_s", "_per_s")) or "_s_" in last
+
+
 def rollout_metrics(groups, records, generate_s: float) -> dict[str, float]:
     """Rollout and reward facts over the samples of complete groups."""
     samples = [s for ss in groups.values() for s in ss]
