@@ -1,11 +1,13 @@
 """Worker groups: a Ray pool of 2 rollout replicas gives exactly the local rollout's samples
-(colocated vs standalone: same experience), weight sync through the manifest refuses a
-corrupted or missing tensor on every replica and activates nothing, and failures and deadlines
-name the role and the worker. One Ray session for the module (start-up is about 3 s), 2 CPUs;
-no Ray process may outlive it."""
+(colocated vs standalone: same experience), the two-phase weight sync refuses a corrupted or
+missing tensor, on one replica or all, and activates nothing anywhere, failures and deadlines
+name the role and the worker, a replica whose process dies mid-iteration is replaced without
+changing the run, and a resumed Ray run re-syncs verified weights before it generates. One Ray
+session for the module (start-up is about 3 s), 2 CPUs; no Ray process may outlive it."""
 from __future__ import annotations
 
 import functools
+import json
 import time
 
 import pytest
@@ -20,7 +22,7 @@ from sealrl.placement.join import MissingResultsError
 from sealrl.placement.workers import LocalWorkerGroup, WorkerError, pools_from_config
 from sealrl.roles.rollout import RolloutWorker
 from sealrl.rollout import GenerationRequest, VersionNotHeldError
-from sealrl.sync.manifest import build_manifest
+from sealrl.sync.manifest import WeightSyncError, build_manifest
 
 CONTRACT = SamplingContract(temperature=1.0, max_new_tokens=6, n=3)
 PROMPTS = ["07+45=", "12+30=", "99+1=", "3+4=", "50+50=", "8+18="]
@@ -176,7 +178,8 @@ def ray_pool(objects):
     init_ray(num_cpus=2)
     try:
         # actor and rollout colocated: worker k of each on bundle k, half a CPU each
-        pools = pools_from_config({"train": {"roles": ["actor", "rollout"], "num_workers": 2}})
+        pools = pools_from_config({"train": {"roles": ["actor", "rollout"], "num_workers": 2,
+                                             "num_cpus_per_worker": 0.5}})  # 1 CPU left for config-built pools
         pool = RayPool(pools["rollout"])
         group = RayWorkerGroup("rollout", functools.partial(RolloutWorker, model, tok), pool, timeout_s=120)
         group.pool = pool
@@ -213,9 +216,9 @@ def test_ray_weight_sync_refuses_a_bad_tensor_and_activates_nothing(objects, ray
         bad[name][0, 0] += 1e-3
     else:
         del bad[name]
-    with pytest.raises(WorkerError, match=f"role rollout worker [01]: load: WeightSyncError.*{name}") as e:
+    with pytest.raises(WorkerError, match=f"role rollout worker [01]: stage: WeightSyncError.*{name}") as e:
         sync_weights(ray_pool, bad, v1)
-    assert e.value.cause_type == "WeightSyncError" and e.value.cause.tensor == name
+    assert type(e.value.cause) is WeightSyncError and e.value.cause.tensor == name   # the real type crossed
     assert ray_pool.attr("version") == [v0.version, v0.version]   # nothing activated anywhere
     with pytest.raises(WorkerError, match="VersionNotHeldError"):
         generate_by_id(ray_pool, requests[:2], CONTRACT, v1.version, "run", 1)
@@ -250,15 +253,40 @@ def test_ray_data_parallel_ranks_give_the_one_process_update(ray_pool):
         group.close()
 
 
-def test_driver_with_a_ray_rollout_pool_gives_the_local_run(tmp_path, tiny_model_dir, ray_pool, monkeypatch):
-    """The unchanged driver loop, its rollout role swapped for a RolloutPool over the 2 Ray
-    replicas (what placement=ray will build): the same experience, the same trained weights."""
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory, tiny_model_dir):
+    """The uninterrupted local run (2 iterations) every Ray run below must reproduce."""
+    from sealrl.trainer.driver import train
+    from tests.test_driver_e2e import small_cfg
+    root = tmp_path_factory.mktemp("local")
+    return train(small_cfg(root, tiny_model_dir)), root / "e2e"
+
+
+def assert_same_run(run_dir, summary, local_run):
+    """Same experience (ids, tokens, log-probs) in every iteration, every group committed
+    once, and the same trained weights (the policy version names the weights' hash)."""
     from sealrl.experience.store import read_iteration
+    local, local_dir = local_run
+    for it in (0, 1):
+        a = read_iteration(local_dir / "experience" / f"iter_{it:06d}.parquet")
+        b = read_iteration(run_dir / "experience" / f"iter_{it:06d}.parquet")
+        assert a.sample_ids == b.sample_ids and len(set(b.sample_ids)) == len(b.sample_ids) == 16
+        assert [s.response_ids for s in a.samples] == [s.response_ids for s in b.samples]
+        assert torch.allclose(a.get("rollout_log_probs"), b.get("rollout_log_probs"), atol=1e-5, rtol=0)
+    ledger = [json.loads(x) for x in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    assert len(ledger) == 8 and all(e["status"] == "committed" for e in ledger)
+    assert summary["policy_version"] == local["policy_version"]   # same weights hash after training
+    assert summary["accuracy_after"] == local["accuracy_after"]
+
+
+def test_driver_with_a_ray_rollout_pool_gives_the_local_run(tmp_path, tiny_model_dir, ray_pool, local_run,
+                                                             monkeypatch):
+    """The unchanged driver loop, its rollout role swapped for a RolloutPool over the 2 Ray
+    replicas (colocated with the actor's bundles): the same experience, the same weights."""
     from sealrl.placement.rollout_pool import RolloutPool
     from sealrl.trainer import setup
     from sealrl.trainer.driver import train
     from tests.test_driver_e2e import small_cfg
-    local = train(small_cfg(tmp_path / "local", tiny_model_dir))
     build_roles, pools = setup.build_roles, []
 
     def with_ray_rollout(cfg, run_id):
@@ -269,14 +297,110 @@ def test_driver_with_a_ray_rollout_pool_gives_the_local_run(tmp_path, tiny_model
 
     monkeypatch.setattr(setup, "build_roles", with_ray_rollout)
     remote = train(small_cfg(tmp_path / "ray", tiny_model_dir))
-    assert pools and {e["version"] for e in pools[0].served} >= {local["policy_version"]}
+    assert pools and {e["version"] for e in pools[0].served} >= {local_run[0]["policy_version"]}
     assert set().union(*(e["replica_of"].values() for e in pools[0].served)) == {0, 1}
     assert pools[0].join_counts["placement/rollout_duplicate"] == 0.0
-    for it in (0, 1):
-        a = read_iteration(tmp_path / "local" / "e2e" / "experience" / f"iter_{it:06d}.parquet")
-        b = read_iteration(tmp_path / "ray" / "e2e" / "experience" / f"iter_{it:06d}.parquet")
-        assert a.sample_ids == b.sample_ids
-        assert [s.response_ids for s in a.samples] == [s.response_ids for s in b.samples]
-        assert torch.allclose(a.get("rollout_log_probs"), b.get("rollout_log_probs"), atol=1e-5, rtol=0)
-    assert remote["policy_version"] == local["policy_version"]   # same weights hash after training
-    assert remote["accuracy_after"] == local["accuracy_after"]
+    assert_same_run(tmp_path / "ray" / "e2e", remote, local_run)
+
+
+def test_ray_corrupted_transfer_on_one_replica_activates_nothing_anywhere(objects, ray_pool, tmp_path):
+    from sealrl.placement.rollout_pool import RolloutPool
+    from sealrl.placement.workers import RayWorkerGroup
+    from tests.helpers_replicas import CorruptedTransfer
+    model, tok, (state, v0), (state1, v1), _ = objects
+    name = "model.layers.0.self_attn.q_proj.weight"
+    factory = functools.partial(CorruptedTransfer, model, tok, str(tmp_path / "marker"), name, 1)
+    pool = RolloutPool(RayWorkerGroup("rollout", factory, ray_pool.pool, timeout_s=120), timeout_s=120)
+    try:
+        assert pool.load(state, v0) == v0.version
+        with pytest.raises(WorkerError, match=f"role rollout worker [01]: stage: WeightSyncError: .*{name}") as e:
+            pool.load(state1, v1)
+        assert type(e.value.cause) is WeightSyncError and e.value.cause.tensor == name
+        assert pool.group.attr("version") == [v0.version] * 2       # the verified replica did not switch
+        assert pool.group.attr("staged_version") == [None, None]    # and dropped its staged copy
+        assert pool.load(state1, v1) == v1.version == pool.version   # an intact transfer goes through
+    finally:
+        pool.close()
+
+
+def test_colocated_and_standalone_rollout_pools_give_identical_experience(objects, local_samples, ray_pool):
+    """placement.rollout_pool from the config: replicas on their own bundles, or sharing the
+    trainer's bundles; the same seeds give the same samples (and the local ones)."""
+    from sealrl.trainer import setup
+    from sealrl.trainer.config import build_config
+    model, tok, (state, v0), _, requests = objects
+    got = {}
+    for kind, roles in (("standalone", ("rollout",)), ("colocated", ("actor", "rollout"))):
+        cfg = build_config(None, ["placement.backend=ray", f"placement.rollout_pool={kind}",
+                                  "placement.rollout_replicas=2", "placement.cpus_per_replica=0.5",
+                                  "placement.timeout_s=120"])
+        assert setup.rollout_pool_spec(cfg.placement).roles == roles
+        closers: list = []
+        try:
+            pool = setup.ray_rollout_pool(cfg, model, tok, closers)
+            assert pool.load(state, v0) == v0.version
+            got[kind] = pool.generate(requests, CONTRACT, v0.version)
+            assert set(pool.served[0]["replica_of"].values()) == {0, 1}
+        finally:
+            for close in reversed(closers):
+                close()
+    assert_same_samples(got["colocated"], got["standalone"])
+    assert_same_samples(got["standalone"], local_samples)
+
+
+def test_a_rollout_replica_killed_mid_iteration_is_replaced_and_the_run_is_unchanged(
+        objects, tmp_path, tiny_model_dir, ray_pool, local_run, monkeypatch):
+    """Issue 6: a replica's process exits while iteration 1's generate is in flight. The pool
+    replaces it (fresh actor, the active version loaded and verified) and re-sends its shard
+    with the same seeds; the iteration completes with no sample duplicated or missing, every
+    group intact, and the run's experience and weights equal the uninterrupted run's."""
+    from sealrl.placement.rollout_pool import RolloutPool
+    from sealrl.placement.workers import RayWorkerGroup
+    from sealrl.trainer import setup
+    from sealrl.trainer.driver import train
+    from tests.helpers_replicas import DiesMidGenerate
+    from tests.test_driver_e2e import small_cfg
+    model, tok = objects[0], objects[1]
+    build_roles, pools = setup.build_roles, []
+
+    def with_dying_replica(cfg, run_id):
+        roles = build_roles(cfg, run_id)
+        factory = functools.partial(DiesMidGenerate, model, tok, str(tmp_path / "died"), "e2e/1/")
+        roles.rollout = RolloutPool(RayWorkerGroup("rollout", factory, ray_pool.pool, timeout_s=120), timeout_s=120)
+        roles.closers.append(roles.rollout.close)
+        pools.append(roles.rollout)
+        return roles
+
+    monkeypatch.setattr(setup, "build_roles", with_dying_replica)
+    remote = train(small_cfg(tmp_path / "ray", tiny_model_dir))
+    pool = pools[0]
+    assert (tmp_path / "died").exists() and pool.group.restarts == 1
+    events = [e for e, _ in pool.history]
+    k = next(e for e in events if e.startswith("replace"))
+    at = events.index(k)
+    assert events[at - 1] == "generate" and pool.history[at][1] == pool.history[at - 1][1]  # same version
+    assert pool.join_counts["placement/rollout_resent_shards"] == 1.0
+    assert pool.join_counts["placement/rollout_duplicate"] == pool.join_counts["placement/rollout_stale"] == 0.0
+    metrics = [json.loads(x) for x in (tmp_path / "ray" / "e2e" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["groups/regenerated_samples"] for m in metrics] == [0, 0]   # recovered inside the pool
+    assert_same_run(tmp_path / "ray" / "e2e", remote, local_run)
+
+
+def test_resume_in_ray_placement_resyncs_verified_weights_before_generating(tmp_path, tiny_model_dir, ray_pool,
+                                                                             local_run, monkeypatch):
+    """Stopped after iteration 1 and resumed with placement.backend=ray: the new replicas load
+    the restored actor's weights (staged, every checksum verified, activated) before the first
+    generation, and the resumed run ends with the uninterrupted run's weights."""
+    from sealrl.experience.store import read_iteration
+    from sealrl.trainer import setup
+    from sealrl.trainer.driver import train
+    from tests.test_driver_e2e import small_cfg
+    make, pools = setup.ray_rollout_pool, []
+    monkeypatch.setattr(setup, "ray_rollout_pool", lambda *a: pools.append(make(*a)) or pools[-1])
+    ray_cfg = ["placement.backend=ray", "placement.rollout_replicas=2", "placement.cpus_per_replica=0.5",
+               "placement.timeout_s=120"]
+    train(small_cfg(tmp_path, tiny_model_dir, "run.iterations=1", *ray_cfg))
+    resumed = train(small_cfg(tmp_path, tiny_model_dir, "run.resume=auto", *ray_cfg))
+    restored = read_iteration(local_run[1] / "experience" / "iter_000001.parquet").samples[0].policy_version
+    assert pools[1].history[:2] == [("load", restored), ("generate", restored)]
+    assert_same_run(tmp_path / "e2e", resumed, local_run)

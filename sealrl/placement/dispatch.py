@@ -5,22 +5,29 @@ id (sorted, contiguous ranges: join.split_ids), so the split does not depend on 
 driver built them in; results come back per worker and are joined by (run, iteration, sample
 id, "rollout", version id). It consumes requests whose samples all belong to version v; it
 waits for every replica's shard (one deadline, WorkerGroup.timeout); a replica that answers
-with another version, twice for an id, or not at all makes the join fail loudly.
+with another version, twice for an id, or not at all makes the join fail loudly. A replica
+that is lost (its process died, or it missed the deadline) can be replaced (`replace(k)`:
+a fresh replica synced to v, verified) and its shard sent again, unchanged: same requests,
+same seeds, same version, a new join attempt, so nothing is duplicated or missing.
 
-`sync_weights`: EXPORTING(v) -> ROLLOUT_LOADING(v) -> ROLLOUT_READY(v) on every replica: the
-state is put once (Ray object store, or shared in-process), every replica stages and verifies
-the manifest (RolloutEngine.load_weights) and only then switches; then every replica must
-report version v. A replica whose verification fails keeps its previous version and the error
-names the tensor (WorkerError.cause is the WeightSyncError).
+Weight sync, two phases (DESIGN section 5): EXPORTING(v) -> ROLLOUT_LOADING(v) on every
+replica (`stage_all`: each one copies the shared state and verifies every checksum, keeping
+its active version) -> ROLLOUT_READY(v) (`activate_all`: pointer switches, started only once
+every replica verified). A verification failure on any replica discards the staged copies
+everywhere and activates nothing anywhere; the error names the replica and the tensor
+(WorkerError.cause is the WeightSyncError). Activation is a pointer assignment and fails
+only if a replica's process is gone; such a replica is replaced and loads v itself.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from sealrl.experience import PolicyVersion, SamplingContract, sample_id
 from sealrl.placement.join import ResultJoin, ResultKey, split_ids
-from sealrl.placement.workers import WorkerGroup
+from sealrl.placement.workers import WorkerError, WorkerGroup
 from sealrl.rollout.engine import GenerationRequest, RolloutSample
+from sealrl.sync.manifest import WeightManifest
 
 
 class ReplicaVersionError(RuntimeError):
@@ -28,10 +35,13 @@ class ReplicaVersionError(RuntimeError):
 
 
 def generate_by_id(group: WorkerGroup, requests: list[GenerationRequest], contract: SamplingContract,
-                   version: PolicyVersion, run_id: str, iteration: int,
-                   timeout_s: float | None = None) -> tuple[list[RolloutSample], dict]:
+                   version: PolicyVersion, run_id: str, iteration: int, timeout_s: float | None = None,
+                   replace: Callable[[int], None] | None = None, max_replacements: int = 1
+                   ) -> tuple[list[RolloutSample], dict]:
     """Samples of every requested candidate (in request, then candidate order, as the local
-    RolloutWorker returns them) and the join's metrics, incl. which replica served each id."""
+    RolloutWorker returns them) and the join's metrics, incl. which replica served each id.
+    A lost replica is replaced and its shard re-sent up to `max_replacements` times per call
+    (only when `replace` is given); any other failure raises its WorkerError."""
     by_group = {r.group_id: r for r in requests}
     if len(by_group) != len(requests):
         raise ValueError("generate_by_id: one request per group id (merge candidates first)")
@@ -39,21 +49,78 @@ def generate_by_id(group: WorkerGroup, requests: list[GenerationRequest], contra
     expected = [sample_id(r.group_id, c) for r in requests for c in r.candidates]
     join = ResultJoin(run_id, iteration, "rollout", version.id, expected)
     calls = {k: ([by_group[g] for g in ids], contract, version) for k, ids in enumerate(shards) if ids}
+    attempt = dict.fromkeys(calls, 0)   # join attempt of each shard's ids
     served: dict[str, int] = {}
-    for k, samples in group.map_shards("generate", calls, timeout_s=timeout_s).items():
-        for s in samples:
-            key = ResultKey(run_id, iteration, s.sample_id, "rollout", s.policy_version.id)
-            if join.offer(key, 0, s):
-                served[s.sample_id] = k
+    for round_ in range(max_replacements + 1):
+        lost = []
+        for k, out in sorted(group.settle("generate", calls, timeout_s=timeout_s).items()):
+            if isinstance(out, WorkerError):
+                if not (out.lost and replace is not None and round_ < max_replacements):
+                    raise out
+                lost.append(k)
+                continue
+            for s in out:
+                key = ResultKey(run_id, iteration, s.sample_id, "rollout", s.policy_version.id)
+                if join.offer(key, attempt[k], s):
+                    served[s.sample_id] = k
+        if not lost:
+            break
+        for k in lost:  # same shard, same seeds, same version, on a fresh replica
+            replace(k)
+            join.retry(sample_id(r.group_id, c) for r in calls[k][0] for c in r.candidates)
+            attempt[k] += 1
+        calls = {k: calls[k] for k in lost}
     results = join.results()  # raises MissingResultsError naming the ids
-    return [results[i] for i in expected], {**join.metrics(), "served_by": served}
+    metrics = {**join.metrics(), "placement/rollout_resent_shards": float(sum(attempt.values()))}
+    return [results[i] for i in expected], {**metrics, "served_by": served}
 
 
-def sync_weights(group: WorkerGroup, state: Mapping, manifest, timeout_s: float | None = None) -> PolicyVersion:
-    """Every replica loads and verifies `manifest`; returns its version once all serve it."""
-    group.call("load", group.put(dict(state)), manifest, timeout_s=timeout_s)  # put once, not per replica
-    held = group.attr("version")
-    wrong = [k for k, v in enumerate(held) if v != manifest.version]
+def stage_all(group: WorkerGroup, shared_state: Any, manifest: WeightManifest,
+              timeout_s: float | None = None) -> dict[int, WorkerError]:
+    """ROLLOUT_LOADING(v) on every replica; waits for all of them. Returns the failures by
+    replica (empty: every replica verified v and holds it staged). On any failure, the
+    replicas that did verify drop their staged copy: nothing can be activated."""
+    everyone = {k: (shared_state, manifest) for k in range(group.num_workers)}
+    outcomes = group.settle("stage", everyone, timeout_s=timeout_s)
+    failed = {k: e for k, e in outcomes.items() if isinstance(e, WorkerError)}
+    if failed:
+        group.settle("discard_staged", {k: () for k in outcomes if k not in failed}, timeout_s=timeout_s)
+    return failed
+
+
+def activate_all(group: WorkerGroup, version: PolicyVersion, timeout_s: float | None = None,
+                 replace: Callable[[int], None] | None = None) -> PolicyVersion:
+    """ROLLOUT_READY(v) on every replica, after stage_all succeeded; a lost replica is
+    replaced (when `replace` is given: it loads v itself). Every replica must then serve v."""
+    outcomes = group.settle("activate", {k: (version,) for k in range(group.num_workers)}, timeout_s=timeout_s)
+    for k, out in sorted(outcomes.items()):
+        if isinstance(out, WorkerError):
+            if not (out.lost and replace is not None):
+                raise out
+            replace(k)
+    held = group.attr("version", timeout_s=timeout_s)
+    wrong = [k for k, v in enumerate(held) if v != version]
     if wrong:
-        raise ReplicaVersionError(f"rollout replicas {wrong} serve {held[wrong[0]]}, not {manifest.version}")
-    return manifest.version
+        raise ReplicaVersionError(f"rollout replicas {wrong} serve {held[wrong[0]]}, not {version}")
+    return version
+
+
+def sync_weights(group: WorkerGroup, state: Mapping, manifest: WeightManifest,
+                 timeout_s: float | None = None) -> PolicyVersion:
+    """Both phases: every replica stages and verifies `manifest`, then all switch. A failure
+    raises the first failed replica's WorkerError and leaves every replica's version as it was."""
+    shared = group.put(dict(state))  # put once, not per replica
+    failed = stage_all(group, shared, manifest, timeout_s)
+    if failed:
+        raise failed[min(failed)]
+    return activate_all(group, manifest.version, timeout_s)
+
+
+def replace_replica(group, k: int, active: tuple[Any, WeightManifest] | None,
+                    timeout_s: float | None = None) -> None:
+    """A fresh replica k (group.restart: Ray groups) brought to the active version with a
+    verified load (stage + activate) of the shared state, before it serves anything."""
+    group.restart(k, timeout_s=timeout_s)
+    if active is not None:
+        shared, manifest = active
+        group.map_shards("load", {k: (shared, manifest)}, timeout_s=timeout_s)

@@ -57,6 +57,9 @@ class MissingResultsError(RuntimeError):
         super().__init__(f"role {role}: no result for {len(missing)} sample id(s): {shown}")
         self.role, self.missing = role, list(missing)
 
+    def __reduce__(self):
+        return type(self), (self.role, self.missing)
+
 
 class ResultJoin:
     """Collects one result per expected sample id of (run, iteration, role, role version)."""

@@ -2,28 +2,41 @@
 (`version`, `load`, `generate`), so the driver loop is the same for one in-process worker,
 a local group or a Ray pool (standalone or colocated).
 
-- load(state, manifest): every replica stages and verifies the manifest, then switches
-  (dispatch.sync_weights); afterwards all must serve manifest.version, else ReplicaVersionError.
+- load(state, manifest): two phases (dispatch.stage_all, dispatch.activate_all): every
+  replica stages and verifies the manifest, and only if all verified do they all switch;
+  afterwards all must serve manifest.version, else ReplicaVersionError. A failed load leaves
+  every replica on the version it served before, and raises the first failed replica's
+  WorkerError (its cause names the tensor).
 - generate(requests, contract, version): split by group id over the replicas, joined by sample
-  id (dispatch.generate_by_id); a replica failure raises WorkerError naming it, which the
-  driver's ledger turns into a regeneration with the same seeds.
-- `served` records, per generate call, which replica served which sample id and with which
-  version (the driver can write it next to the ledger).
+  id (dispatch.generate_by_id). A replica that is lost mid-call (process died, deadline
+  missed) is replaced by a fresh one that loads the active version, verified, and its shard
+  is sent again with the same seeds (up to `max_replacements` per call); any other replica
+  failure raises WorkerError naming it, which the driver's ledger turns into a regeneration
+  with the same seeds.
+- `history` records, in order, every load and generate call with its version, and every
+  replacement; `served` records, per generate call, which replica served which sample id.
+
+The pool keeps the shared state of the active version (one copy; in Ray's object store) so a
+replacement replica can be brought to it without the actor.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from sealrl.experience import PolicyVersion, SamplingContract
-from sealrl.placement.dispatch import ReplicaVersionError, generate_by_id, sync_weights
+from sealrl.placement.dispatch import ReplicaVersionError, activate_all, generate_by_id, replace_replica, stage_all
 from sealrl.placement.workers import WorkerGroup
 from sealrl.rollout.engine import GenerationRequest, RolloutSample
 from sealrl.sync.manifest import WeightManifest
 
 
 class RolloutPool:
-    def __init__(self, group: WorkerGroup, timeout_s: float | None = None) -> None:
-        self.group, self.timeout_s = group, timeout_s
+    def __init__(self, group: WorkerGroup, timeout_s: float | None = None, max_replacements: int = 1) -> None:
+        self.group, self.timeout_s, self.max_replacements = group, timeout_s, max_replacements
         self.served: list[dict] = []   # one entry per generate call
+        self.history: list[tuple[str, str]] = []   # ("load" | "generate" | "replace k", version id)
         self.join_counts: dict[str, float] = {}
+        self._active: tuple[Any, WeightManifest] | None = None   # (shared state, manifest) every replica serves
 
     @property
     def version(self) -> PolicyVersion | None:
@@ -33,7 +46,20 @@ class RolloutPool:
         return held[0]
 
     def load(self, state, manifest: WeightManifest) -> PolicyVersion:
-        return sync_weights(self.group, state, manifest, timeout_s=self.timeout_s)
+        shared = self.group.put(dict(state))  # put once, not per replica
+        failed = stage_all(self.group, shared, manifest, self.timeout_s)
+        if failed:
+            for k in sorted(k for k, e in failed.items() if e.lost):
+                self._replace(k)  # back to the version the others still serve
+            raise failed[min(failed)]
+        self._active = (shared, manifest)  # every replica verified v: the commit point
+        activate_all(self.group, manifest.version, self.timeout_s, replace=self._replace)
+        self.history.append(("load", manifest.version.id))
+        return manifest.version
+
+    def _replace(self, k: int) -> None:
+        replace_replica(self.group, k, self._active, self.timeout_s)
+        self.history.append((f"replace {k}", self._active[1].version.id if self._active else ""))
 
     def generate(self, requests: list[GenerationRequest], contract: SamplingContract,
                  version: PolicyVersion) -> list[RolloutSample]:
@@ -43,8 +69,10 @@ class RolloutPool:
         if len(runs) != 1:
             raise ValueError(f"RolloutPool.generate: requests of several (run, iteration): {sorted(runs)}")
         run_id, iteration = next(iter(runs))
+        self.history.append(("generate", version.id))
         samples, metrics = generate_by_id(self.group, requests, contract, version, run_id, int(iteration),
-                                          timeout_s=self.timeout_s)
+                                          timeout_s=self.timeout_s, replace=self._replace,
+                                          max_replacements=self.max_replacements)
         served = metrics.pop("served_by")
         self.served.append({"version": version.id, "replica_of": served})
         for k, v in metrics.items():

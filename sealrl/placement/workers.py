@@ -3,13 +3,16 @@
     group.call(method, *args)          the same call on every worker; results in worker order
     group.map_shards(method, shards)   worker k gets shards[k] (an args tuple); dict k -> result
     group.attr(name)                   an attribute of every worker (e.g. the active version)
+    group.settle(method, shards)       like map_shards, but k -> result or WorkerError (waits for all)
     group.put(value)                   share a large argument once (Ray object store)
+    group.restart(k)                   (Ray) replace worker k by a fresh one from the factory
     group.close()
 
 The driver never sees the difference: a role object (sealrl.roles.*) is built from a picklable
 factory (e.g. `functools.partial(RolloutWorker, model, tokenizer)`) either here or inside a Ray
 actor. Every remote wait has a deadline; a failure or a timeout raises WorkerError naming the
-role, the worker and the method, with the worker's own exception as `cause`.
+role, the worker and the method, with the worker's own exception as `cause`; `lost` says the
+worker itself is gone (its process died, or it missed the deadline and must be replaced).
 
 Ray resources: `pools_from_config` reads pools such as
     {"train": {"roles": ["actor", "rollout"], "num_workers": 2, "num_cpus_per_worker": 1},
@@ -29,11 +32,17 @@ from typing import Any, Protocol
 
 class WorkerError(RuntimeError):
     """A call on a worker failed or missed its deadline. `cause` is the worker's exception
-    (a RemoteCallError carrying its type name and attributes when it could not be pickled)."""
+    (a RemoteCallError carrying its type name and attributes when it could not be pickled);
+    `lost` is True when the worker is unusable (process died, or late: its task still runs)."""
 
-    def __init__(self, role: str, worker: int, method: str, reason: str, cause: BaseException | None = None):
+    def __init__(self, role: str, worker: int, method: str, reason: str, cause: BaseException | None = None,
+                 lost: bool = False):
         super().__init__(f"role {role} worker {worker}: {method}: {reason}")
-        self.role, self.worker, self.method, self.cause = role, worker, method, cause
+        self.role, self.worker, self.method, self.reason = role, worker, method, reason
+        self.cause, self.lost = cause, lost
+
+    def __reduce__(self):
+        return type(self), (self.role, self.worker, self.method, self.reason, self.cause, self.lost)
 
     @property
     def cause_type(self) -> str:
@@ -74,6 +83,7 @@ class WorkerGroup(Protocol):
 
     def call(self, method: str, *args, timeout_s: float | None = None, **kwargs) -> list: ...
     def map_shards(self, method: str, shards: Mapping[int, tuple], timeout_s: float | None = None) -> dict: ...
+    def settle(self, method: str, shards: Mapping[int, tuple], timeout_s: float | None = None) -> dict: ...
     def attr(self, name: str, timeout_s: float | None = None) -> list: ...
     def put(self, value: Any) -> Any: ...
     def close(self) -> None: ...
@@ -96,6 +106,15 @@ class LocalWorkerGroup:
 
     def map_shards(self, method: str, shards: Mapping[int, tuple], timeout_s: float | None = None) -> dict:
         return {k: self._run(k, method, tuple(a), {}) for k, a in sorted(shards.items())}
+
+    def settle(self, method: str, shards: Mapping[int, tuple], timeout_s: float | None = None) -> dict:
+        out: dict = {}
+        for k, a in sorted(shards.items()):
+            try:
+                out[k] = self._run(k, method, tuple(a), {})
+            except WorkerError as e:
+                out[k] = e
+        return out
 
     def attr(self, name: str, timeout_s: float | None = None) -> list:
         return [getattr(w, name) for w in self.workers]
@@ -225,19 +244,31 @@ class RayWorkerGroup:
 
     def __init__(self, role: str, factory: Callable[[], Any], pool: RayPool, timeout_s: float = 300.0,
                  threads: int = 1) -> None:
+        self.role, self.num_workers, self.timeout_s = role, pool.spec.num_workers, timeout_s
         import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        spec = pool.spec
-        share = len(spec.roles)  # colocated roles split each bundle equally
-        host = ray.remote(_RoleHost)
-        self.role, self.num_workers, self.timeout_s = role, spec.num_workers, timeout_s
-        self.actors = [host.options(num_cpus=spec.num_cpus_per_worker / share,
-                                    num_gpus=spec.num_gpus_per_worker / share,
-                                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                        placement_group=pool.pg, placement_group_bundle_index=k)
-                                    ).remote(factory, threads)
-                       for k in range(self.num_workers)]
+        self._host, self._factory, self._pool, self._threads = ray.remote(_RoleHost), factory, pool, threads
+        self.restarts = 0
+        self.actors = [self._start(k) for k in range(self.num_workers)]
         self.attr("__class__", timeout_s=timeout_s)  # waits until every factory has run
+
+    def _start(self, k: int):
+        """A new actor for worker k on bundle k; colocated roles split the bundle equally."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        spec, share = self._pool.spec, len(self._pool.spec.roles)
+        return self._host.options(
+            num_cpus=spec.num_cpus_per_worker / share, num_gpus=spec.num_gpus_per_worker / share,
+            max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self._pool.pg, placement_group_bundle_index=k)).remote(self._factory, self._threads)
+
+    def restart(self, k: int, timeout_s: float | None = None) -> None:
+        """Kill worker k (dead, or late with a task still running) and start a fresh one from
+        the factory on the same bundle; returns once the factory has run. The caller brings
+        its state back (e.g. a rollout replica is synced to the active version, verified)."""
+        import ray
+        ray.kill(self.actors[k], no_restart=True)
+        self.actors[k] = self._start(k)
+        self.restarts += 1
+        self._collect("__init__", {k: self.actors[k].attr.remote("__class__")}, timeout_s)
 
     def call(self, method: str, *args, timeout_s: float | None = None, **kwargs) -> list:
         refs = {k: a.call.remote(method, *args, **kwargs) for k, a in enumerate(self.actors)}
@@ -247,6 +278,10 @@ class RayWorkerGroup:
     def map_shards(self, method: str, shards: Mapping[int, tuple], timeout_s: float | None = None) -> dict:
         refs = {k: self.actors[k].call.remote(method, *args) for k, args in sorted(shards.items())}
         return self._collect(method, refs, timeout_s)
+
+    def settle(self, method: str, shards: Mapping[int, tuple], timeout_s: float | None = None) -> dict:
+        refs = {k: self.actors[k].call.remote(method, *args) for k, args in sorted(shards.items())}
+        return self._collect(method, refs, timeout_s, settle=True)
 
     def attr(self, name: str, timeout_s: float | None = None) -> list:
         out = self._collect(name, {k: a.attr.remote(name) for k, a in enumerate(self.actors)}, timeout_s)
@@ -264,10 +299,11 @@ class RayWorkerGroup:
         import ray
         return ray.put(value)  # an ObjectRef given as a top-level argument arrives resolved
 
-    def _collect(self, method: str, refs: dict, timeout_s: float | None) -> dict:
-        """Wait for every ref until one deadline; name the first worker that failed or is late.
-        A late task keeps running on its actor (Ray cannot stop it safely): later calls queue
-        behind it, so the caller treats a timed-out worker as failed (close and rebuild)."""
+    def _collect(self, method: str, refs: dict, timeout_s: float | None, settle: bool = False) -> dict:
+        """Wait for every ref until one deadline; raise for the first worker that failed or is
+        late (settle=True: wait for all, k -> result or WorkerError). A late task keeps running
+        on its actor (Ray cannot stop it safely): later calls queue behind it, so a timed-out
+        worker is `lost` (restart it, or close and rebuild the group)."""
         import ray
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
@@ -277,16 +313,22 @@ class RayWorkerGroup:
             done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not done:
                 late = sorted(by_ref[r] for r in pending)
-                raise WorkerError(self.role, late[0], method, f"no result within {timeout}s "
-                                  f"(workers {late} pending)")
+                errors = {k: WorkerError(self.role, k, method, f"no result within {timeout}s (workers {late} "
+                                         "pending)", lost=True) for k in late}
+                if not settle:
+                    raise errors[late[0]]
+                out.update(errors)
+                break
             k = by_ref[done[0]]
             try:
                 out[k] = ray.get(done[0])
             except ray.exceptions.RayTaskError as e:
                 cause = e.cause if isinstance(e.cause, BaseException) else e
-                raise WorkerError(self.role, k, method, f"{_type_name(cause)}: {cause}", cause) from e
+                out[k] = WorkerError(self.role, k, method, f"{_type_name(cause)}: {cause}", cause)
             except ray.exceptions.RayActorError as e:
-                raise WorkerError(self.role, k, method, f"the worker's process died: {e}", e) from e
+                out[k] = WorkerError(self.role, k, method, f"the worker's process died: {e}", e, lost=True)
+            if isinstance(out[k], WorkerError) and not settle:
+                raise out[k] from out[k].cause
         return out
 
     def close(self) -> None:

@@ -1,5 +1,9 @@
 """Rollout role: samples responses from one committed snapshot and records behaviour
-log-probs and stop reasons. It owns inference weights and never holds an optimizer."""
+log-probs and stop reasons. It owns inference weights and never holds an optimizer.
+
+Weights arrive in two phases so that a pool of replicas switches together (DESIGN section 5):
+`stage` verifies every checksum and keeps the copy aside, `activate` switches to it; `load`
+does both for a single replica."""
 from __future__ import annotations
 
 import torch
@@ -17,10 +21,24 @@ class RolloutWorker:
     def version(self) -> PolicyVersion | None:
         return self.engine.active_version
 
+    @property
+    def staged_version(self) -> PolicyVersion | None:
+        return self.engine.staged_version
+
+    def stage(self, state: dict[str, torch.Tensor], manifest: WeightManifest) -> PolicyVersion:
+        """ROLLOUT_LOADING(v): copy and verify every checksum; the active version is unchanged."""
+        return self.engine.stage(state, manifest)
+
+    def activate(self, version: PolicyVersion) -> PolicyVersion:
+        """ROLLOUT_READY(v): switch to the staged version atomically."""
+        return self.engine.activate(version)
+
+    def discard_staged(self) -> None:
+        self.engine.discard_staged()
+
     def load(self, state: dict[str, torch.Tensor], manifest: WeightManifest) -> PolicyVersion:
         """ROLLOUT_LOADING(v) -> ROLLOUT_READY(v): stage, verify every checksum, switch."""
-        self.engine.load_weights(state, manifest)
-        return manifest.version
+        return self.engine.activate(self.engine.stage(state, manifest))
 
     def generate(self, requests: list[GenerationRequest], contract: SamplingContract,
                  version: PolicyVersion) -> list[RolloutSample]:

@@ -1,11 +1,13 @@
 """The rollout engine: sample groups of responses from one verified policy version.
 
-What it consumes: weights + a WeightManifest (load_weights), then generation requests for the
-version it holds. What it guarantees:
+What it consumes: weights + a WeightManifest (stage, then activate; load_weights does both),
+then generation requests for the version it holds. What it guarantees:
 
 - it serves exactly one version at a time; weights are staged as a private copy, verified
   tensor by tensor against the manifest, and only then swapped in with one assignment, so a
-  failed load leaves the previous version serving. KV caches live inside one generate call
+  failed load leaves the previous version serving. Staging and activation are separate calls
+  so that a pool of replicas activates only once every replica has verified (two phases,
+  placement/dispatch.sync_weights). KV caches live inside one generate call
   and are bound to the version that call started with: nothing cached survives a swap;
 - a prompt is prefilled once and its cache fanned out to the group's candidates; candidates
   share a cache row while their tokens coincide; finished rows leave the batch (the cache is
@@ -117,6 +119,7 @@ class RolloutEngine:
         self._expected = {n: tuple(t.shape) for n, t in self._template.state_dict().items()}
         self._prefer_lean = prefer_lean
         self._active: _Snapshot | None = None
+        self._staged: _Snapshot | None = None   # verified, not yet active
 
     @property
     def active_version(self) -> PolicyVersion | None:
@@ -128,11 +131,17 @@ class RolloutEngine:
         snap = self._active
         return "none" if snap is None else type(snap.backend).__name__
 
-    def load_weights(self, state_dict: Mapping[str, Tensor], manifest: WeightManifest) -> None:
-        """Stage a private copy, verify it against the manifest, then swap it in atomically.
+    @property
+    def staged_version(self) -> PolicyVersion | None:
+        snap = self._staged
+        return None if snap is None else snap.version
 
-        Raises WeightSyncError (or TokenizerMismatchError) and activates nothing on failure.
-        """
+    def stage(self, state_dict: Mapping[str, Tensor], manifest: WeightManifest) -> PolicyVersion:
+        """ROLLOUT_LOADING(v): copy the weights, verify every checksum and shape, build the
+        backend, and keep it staged; the active version is unchanged. A later stage replaces
+        an earlier staged copy. Raises WeightSyncError (or TokenizerMismatchError) naming the
+        tensor, and then holds nothing staged."""
+        self._staged = None
         version = manifest.version
         if version.tokenizer_hash:
             check_same_tokenizer(version.tokenizer_hash, self.tokenizer_hash,
@@ -148,8 +157,28 @@ class RolloutEngine:
                 raise WeightSyncError(name, f"shape {tuple(staged[name].shape)} != model {shape}")
         for name in staged.keys() - self._expected.keys():
             raise WeightSyncError(name, "not a tensor of the rollout model")
-        backend = make_backend(staged, self._template, self.device, self._prefer_lean)
-        self._active = _Snapshot(version, backend)  # the swap: one reference assignment
+        self._staged = _Snapshot(version, make_backend(staged, self._template, self.device, self._prefer_lean))
+        return version
+
+    def activate(self, version: PolicyVersion) -> PolicyVersion:
+        """ROLLOUT_READY(v): switch to the staged `version` with one reference assignment (a
+        generate call already running keeps the snapshot it started with). Activating the
+        version already active is a no-op, so a repeated activation is harmless."""
+        snap = self._staged
+        if snap is not None and snap.version == version:
+            self._active, self._staged = snap, None  # the swap
+        elif self.active_version != version:
+            held = "nothing" if snap is None else str(snap.version)
+            raise VersionNotHeldError(f"asked to activate {version}, this replica has {held} staged")
+        return version
+
+    def discard_staged(self) -> None:
+        """Drop a staged copy that will not be activated (another replica failed to verify)."""
+        self._staged = None
+
+    def load_weights(self, state_dict: Mapping[str, Tensor], manifest: WeightManifest) -> None:
+        """Stage, verify, activate: the single-engine path. Activates nothing on failure."""
+        self.activate(self.stage(state_dict, manifest))
 
     def generate(self, requests: list[GenerationRequest], contract: SamplingContract,
                  version: PolicyVersion) -> list[RolloutSample]:

@@ -24,12 +24,16 @@ from sealrl.experience.ids import PolicyVersion
 
 
 class WeightSyncError(RuntimeError):
-    """Staged weights do not match the manifest; `tensor` names the first bad one."""
+    """Staged weights do not match the manifest; `tensor` names the first bad one.
+    Pickles with its fields (it crosses process boundaries from Ray rollout replicas)."""
 
     def __init__(self, tensor: str, reason: str) -> None:
         super().__init__(f"weight sync: tensor {tensor!r}: {reason}")
         self.tensor = tensor
         self.reason = reason
+
+    def __reduce__(self):
+        return type(self), (self.tensor, self.reason)
 
 
 class TensorEntry(NamedTuple):

@@ -215,6 +215,7 @@ class PlacementConfig:
     num_cpus: int = 0                      # CPUs of a local Ray (0 = all of this machine)
     rollout_replicas: int = 1              # standalone rollout replicas (placement.backend=ray)
     cpus_per_replica: float = 1.0          # CPUs reserved per rollout replica
+    rollout_pool: str = "standalone"       # standalone (rollout replicas own their Ray bundles) | colocated (replica k shares bundle k with actor worker k)
     timeout_s: float = 300.0               # deadline of every remote call
     actor_workers: int = 1                 # data-parallel actor ranks (> 1: Ray actors in one gloo/nccl group)
     critic_workers: int = 1                # data-parallel critic ranks (PPO; > 1 as for the actor)
@@ -226,6 +227,8 @@ class PlacementConfig:
             _check(n >= 1, f"placement.{key}", ">= 1", n)
             _check(n == 1 or self.backend == "ray", f"placement.{key}", "1 unless placement.backend=ray", n)
         _check(self.rollout_replicas >= 1, "placement.rollout_replicas", ">= 1", self.rollout_replicas)
+        _check(self.rollout_pool in ("standalone", "colocated"), "placement.rollout_pool",
+               "standalone or colocated", self.rollout_pool)
         _check(self.timeout_s > 0, "placement.timeout_s", "> 0", self.timeout_s)
 
 

@@ -200,30 +200,40 @@ def data_parallel_role(cfg: Config, role: str, make_worker, local, closers: list
     return facade(group, local, cfg.placement.timeout_s)
 
 
+def rollout_pool_spec(p):
+    """The Ray resource pool of the rollout replicas: `placement.rollout_pool=standalone` gives
+    them their own bundles; `colocated` puts replica k on bundle k of the trainer's pool
+    ("train": actor + rollout), each role asking for half of the bundle's CPUs. Placement
+    never changes the numbers: both give the same experience with the same seeds."""
+    from sealrl.placement.workers import pools_from_config
+    name, roles = ("rollout", ["rollout"]) if p.rollout_pool == "standalone" else ("train", ["actor", "rollout"])
+    return pools_from_config({name: {"roles": roles, "num_workers": p.rollout_replicas,
+                                     "num_cpus_per_worker": p.cpus_per_replica}})["rollout"]
+
+
 def ray_rollout_pool(cfg: Config, model, tokenizer, closers: list):
-    """placement.backend=ray: `rollout_replicas` standalone RolloutWorkers as Ray actors behind
-    a RolloutPool with the rollout role's interface, so the driver loop does not change.
-    Weights reach them only through the manifest-verified sync; requests are dispatched and
-    joined by sample id."""
+    """placement.backend=ray: `rollout_replicas` RolloutWorkers as Ray actors (standalone or
+    colocated: rollout_pool_spec) behind a RolloutPool with the rollout role's interface, so
+    the driver loop does not change. Weights reach them only through the two-phase,
+    manifest-verified sync; requests are dispatched and joined by sample id; a replica whose
+    process dies is replaced and synced to the active version before it serves."""
     import functools
 
     import ray
 
     from sealrl.placement.rollout_pool import RolloutPool
-    from sealrl.placement.workers import RayPool, RayWorkerGroup, init_ray, pools_from_config
+    from sealrl.placement.workers import RayPool, RayWorkerGroup, init_ray
     p = cfg.placement
     started = not ray.is_initialized()
     if started:
         init_ray(p.address or None, (p.num_cpus or None) if not p.address else None)
         closers.append(ray.shutdown)
-    spec = pools_from_config({"rollout": {"roles": ["rollout"], "num_workers": p.rollout_replicas,
-                                          "num_cpus_per_worker": p.cpus_per_replica}})["rollout"]
+    spec = rollout_pool_spec(p)
     pool = RayPool(spec, timeout_s=p.timeout_s)
     closers.append(pool.close)
-    threads = max(1, int(p.cpus_per_replica))
+    threads = max(1, int(p.cpus_per_replica / len(spec.roles)))
     group = RayWorkerGroup("rollout", functools.partial(RolloutWorker, model, tokenizer), pool,
                            timeout_s=p.timeout_s, threads=threads)
     rollout = RolloutPool(group, timeout_s=p.timeout_s)
     closers.append(rollout.close)
     return rollout
-

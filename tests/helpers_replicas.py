@@ -1,0 +1,49 @@
+"""Fault harnesses for the placement tests: real RolloutWorkers whose weight transfer is
+corrupted, or whose process exits mid-call, the first time any replica of a pool reaches that
+point (a marker file created with O_EXCL decides, atomically across processes). The replica
+that failed is replaced by a fresh one from the same factory, which then behaves."""
+from __future__ import annotations
+
+import os
+
+from sealrl.roles.rollout import RolloutWorker
+
+
+def first_to_claim(marker: str) -> bool:
+    """True for the single caller, in any process, that creates `marker`."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
+class CorruptedTransfer(RolloutWorker):
+    """The first replica to stage a version of policy step `step` receives `tensor` with one
+    value changed (as a bad transfer would deliver it); its own verification must catch it."""
+
+    def __init__(self, model, tokenizer, marker: str, tensor: str, step: int):
+        super().__init__(model, tokenizer)
+        self.marker, self.tensor, self.step = marker, tensor, step
+
+    def stage(self, state, manifest):
+        if manifest.version.step == self.step and first_to_claim(self.marker):
+            state = dict(state)
+            state[self.tensor] = state[self.tensor].clone()
+            state[self.tensor].view(-1)[0] += 1e-3
+        return super().stage(state, manifest)
+
+
+class DiesMidGenerate(RolloutWorker):
+    """The first replica to generate for a group id starting with `prefix` computes its samples
+    and then its process exits before answering (os._exit: no clean-up, no reply)."""
+
+    def __init__(self, model, tokenizer, marker: str, prefix: str):
+        super().__init__(model, tokenizer)
+        self.marker, self.prefix = marker, prefix
+
+    def generate(self, requests, contract, version):
+        samples = super().generate(requests, contract, version)
+        if any(r.group_id.startswith(self.prefix) for r in requests) and first_to_claim(self.marker):
+            os._exit(17)
+        return samples
