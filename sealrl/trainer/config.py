@@ -215,7 +215,7 @@ class PlacementConfig:
     num_cpus: int = 0                      # CPUs of a local Ray (0 = all of this machine)
     rollout_replicas: int = 1              # standalone rollout replicas (placement.backend=ray)
     cpus_per_replica: float = 1.0          # CPUs reserved per rollout replica
-    rollout_pool: str = "standalone"       # standalone (rollout replicas own their Ray bundles) | colocated (replica k shares bundle k with actor worker k)
+    rollout_pool: str = "standalone"       # standalone (own Ray bundles) | colocated (replica k on actor bundle k)
     timeout_s: float = 300.0               # deadline of every remote call
     actor_workers: int = 1                 # data-parallel actor ranks (> 1: Ray actors in one gloo/nccl group)
     critic_workers: int = 1                # data-parallel critic ranks (PPO; > 1 as for the actor)
