@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from sealrl import faults
 from sealrl.experience.store import read_iteration
 from sealrl.placement.train_group import join_rows
 from sealrl.trainer.config import build_config
@@ -63,9 +64,13 @@ def test_join_rows_places_each_rank_s_rows_by_sample_id():
         join_rows(batch, parts[:1])
 
 
-def test_grpo_two_actor_ranks_give_the_one_process_update_through_a_resume(tmp_path, ray_session):
+def test_grpo_two_actor_ranks_give_the_one_process_update_through_a_resume(tmp_path, ray_session, monkeypatch):
     local = run(tmp_path, "local", "algorithm.name=grpo", "run.iterations=2")
+    monkeypatch.setenv("SEALRL_FAULTS", "actor_update@0:raise")   # every rank restores its snapshot, then retries
+    monkeypatch.setattr(faults, "_fired", set())                   # entries fire once per process
     dp = run(tmp_path, "dp", "algorithm.name=grpo", "run.iterations=1", "placement.actor_workers=2", *DP)
+    monkeypatch.delenv("SEALRL_FAULTS")
+    assert metrics(dp)[0]["update/attempts"] == 2
     assert_same_weights(local, dp, "actor_model", 1)
     # resumed: restore_position pushes the checkpoint to both ranks; the second update matches
     run(tmp_path, "dp", "algorithm.name=grpo", "run.iterations=2", "run.resume=auto",
