@@ -5,6 +5,7 @@ that failed is replaced by a fresh one from the same factory, which then behaves
 from __future__ import annotations
 
 import os
+import time
 
 from sealrl.roles.rollout import RolloutWorker
 
@@ -47,3 +48,17 @@ class DiesMidGenerate(RolloutWorker):
         if any(r.group_id.startswith(self.prefix) for r in requests) and first_to_claim(self.marker):
             os._exit(17)
         return samples
+
+
+class HangsMidGenerate(RolloutWorker):
+    """The first replica to generate hangs (sleeps `seconds`) before answering: a late replica
+    whose task is still running when the caller's deadline passes."""
+
+    def __init__(self, model, tokenizer, marker: str, seconds: float):
+        super().__init__(model, tokenizer)
+        self.marker, self.seconds = marker, seconds
+
+    def generate(self, requests, contract, version):
+        if first_to_claim(self.marker):
+            time.sleep(self.seconds)
+        return super().generate(requests, contract, version)

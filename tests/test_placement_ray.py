@@ -1,8 +1,8 @@
 """Worker groups: a Ray pool of 2 rollout replicas gives exactly the local rollout's samples
 (colocated vs standalone: same experience), the two-phase weight sync refuses a corrupted or
 missing tensor, on one replica or all, and activates nothing anywhere, failures and deadlines
-name the role and the worker, a replica whose process dies mid-iteration is replaced without
-changing the run, and a resumed Ray run re-syncs verified weights before it generates. One Ray
+name the role and the worker, a replica whose process dies mid-iteration (or that misses its
+deadline) is replaced without changing the run, and a resumed Ray run re-syncs verified weights before it generates. One Ray
 session for the module (start-up is about 3 s), 2 CPUs; no Ray process may outlive it."""
 from __future__ import annotations
 
@@ -346,6 +346,28 @@ def test_colocated_and_standalone_rollout_pools_give_identical_experience(object
                 close()
     assert_same_samples(got["colocated"], got["standalone"])
     assert_same_samples(got["standalone"], local_samples)
+
+
+def test_a_replica_past_its_deadline_is_replaced_and_its_shard_resent(objects, local_samples, ray_pool, tmp_path):
+    """A replica that hangs in generate misses the pool's deadline: it is killed (its late
+    answer can never be joined), a fresh replica loads the active version, verified, and the
+    shard is sent again; the samples are the local ones, none twice."""
+    from sealrl.placement.rollout_pool import RolloutPool
+    from sealrl.placement.workers import RayWorkerGroup
+    from tests.helpers_replicas import HangsMidGenerate
+    model, tok, (state, v0), _, requests = objects
+    factory = functools.partial(HangsMidGenerate, model, tok, str(tmp_path / "hung"), 300.0)
+    pool = RolloutPool(RayWorkerGroup("rollout", factory, ray_pool.pool, timeout_s=60), timeout_s=15)
+    try:
+        pool.load(state, v0)
+        samples = pool.generate(requests, CONTRACT, v0.version)
+        assert_same_samples(samples, local_samples)
+        assert pool.group.restarts == 1 and [e for e, _ in pool.history][-1].startswith("replace")
+        assert pool.history[-1][1] == v0.version.id and pool.version == v0.version
+        assert pool.join_counts["placement/rollout_resent_shards"] == 1.0
+        assert pool.join_counts["placement/rollout_duplicate"] == 0.0
+    finally:
+        pool.close()
 
 
 def test_a_rollout_replica_killed_mid_iteration_is_replaced_and_the_run_is_unchanged(
