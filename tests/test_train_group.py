@@ -6,6 +6,7 @@ compared after 1-2 steps with adam_eps 1e-6 and lr 1e-4, as in test_reference_it
 One Ray session for the module (start-up costs seconds)."""
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -14,10 +15,12 @@ from safetensors.torch import load_file
 
 from sealrl import faults
 from sealrl.experience.store import read_iteration
-from sealrl.placement.train_group import join_rows
+from sealrl.placement.train_group import ActorGroup, ActorRank, join_rows
+from sealrl.placement.workers import LocalWorkerGroup
+from sealrl.roles.actor import ActorWorker
 from sealrl.trainer.config import build_config
 from sealrl.trainer.driver import train
-from tests.test_placement_dp import make_batch
+from tests.test_placement_dp import HORIZON, V0, make_batch, make_model, max_diff
 
 ARGS = ["run.progress=false", "run.checkpoint_every=1", "data.num_train=64", "eval.num=8",
         "data.prompts_per_iter=3", "rollout.n=4", "rollout.max_new_tokens=5", "actor.micro_batch_size=4",
@@ -62,6 +65,35 @@ def test_join_rows_places_each_rank_s_rows_by_sample_id():
     assert joined[:, 0].tolist() == [float(i) for i in range(len(batch))]   # batch positions, not rank order
     with pytest.raises(RuntimeError, match="missing"):
         join_rows(batch, parts[:1])
+
+
+def test_actor_group_of_one_in_process_rank_is_the_plain_actor():
+    """The facade's plumbing without Ray: update, pull to the mirror, export, rollback, and the
+    push a checkpoint restore makes, against a plain ActorWorker (bitwise: one rank)."""
+    cfg = build_config(None, ["actor.micro_batch_size=3", "actor.lr=1e-3"])
+    model = make_model()
+
+    def make():   # each worker its own copy, as each Ray actor would unpickle one
+        return ActorWorker(copy.deepcopy(model), cfg.actor, cfg.algorithm, "run", "tok", 1.0, 0, 10, HORIZON)
+
+    plain = make()
+    group = ActorGroup(LocalWorkerGroup("actor", [ActorRank(make, 0)]), make())
+    want = plain.update(make_batch(), V0, 0, seed=1)
+    assert group.update(make_batch(), V0, 0, seed=1) == want and group.step == plain.step == 1
+    weights = lambda m: {k: v.clone() for k, v in m.state_dict().items()}  # noqa: E731
+    assert max_diff(weights(group.model), weights(plain.model)) == 0.0            # pulled from rank 0
+    assert group.optimizer.state_dict()["state"].keys() == plain.optimizer.state_dict()["state"].keys()
+    state, manifest = group.export()
+    assert manifest.version == plain.export()[1].version
+    snap, before = group.snapshot(), weights(group.model)
+    group.update(make_batch(), V0, 1, seed=2)
+    assert group.step == 2 and max_diff(weights(group.model), before) > 0
+    group.restore(snap)
+    assert group.step == 1 and max_diff(weights(group.model), before) == 0.0        # every rank rolled back
+    group.model.load_state_dict(make_model().state_dict())                          # a checkpoint restore ...
+    group.step = 0                                                                  # ... then its counters
+    rank = group.replicas.group.workers[0].worker
+    assert rank.step == 0 and max_diff(weights(rank.model), weights(make_model())) == 0.0
 
 
 def test_grpo_two_actor_ranks_give_the_one_process_update_through_a_resume(tmp_path, ray_session, monkeypatch):

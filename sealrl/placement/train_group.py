@@ -346,11 +346,17 @@ def ray_train_group(role: str, rank_factory: Callable[[], TrainRank], num_worker
     spec = PoolSpec(name=role, roles=(role,), num_workers=num_workers, num_cpus_per_worker=1.0,
                     num_gpus_per_worker=1.0 if cuda else 0.0)
     pool = RayPool(spec, timeout_s=timeout_s)
-    closers.append(pool.close)
-    group = RayWorkerGroup(role, rank_factory, pool, timeout_s=timeout_s, threads=1)
-    closers.append(group.close)
-    group.init_process_group("nccl" if cuda else "gloo", timeout_s=timeout_s)
-    ranks = group.call("setup", timeout_s=timeout_s)
-    if ranks != list(range(num_workers)):
-        raise RuntimeError(f"{role}: ranks {ranks} do not match worker indices")
+    group = None
+    try:  # a rank that fails to start or join: nothing of this group is left behind
+        group = RayWorkerGroup(role, rank_factory, pool, timeout_s=timeout_s, threads=1)
+        group.init_process_group("nccl" if cuda else "gloo", timeout_s=timeout_s)
+        ranks = group.call("setup", timeout_s=timeout_s)
+        if ranks != list(range(num_workers)):
+            raise RuntimeError(f"{role}: ranks {ranks} do not match worker indices")
+    except BaseException:
+        if group is not None:
+            group.close()
+        pool.close()
+        raise
+    closers.extend([pool.close, group.close])   # closed in reverse: the actors, then the pool
     return group
