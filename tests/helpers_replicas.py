@@ -62,3 +62,16 @@ class HangsMidGenerate(RolloutWorker):
         if first_to_claim(self.marker):
             time.sleep(self.seconds)
         return super().generate(requests, contract, version)
+
+
+class DiesMidStage(RolloutWorker):
+    """The first replica to stage a version of policy step `step` exits while staging it."""
+
+    def __init__(self, model, tokenizer, marker: str, step: int):
+        super().__init__(model, tokenizer)
+        self.marker, self.step = marker, step
+
+    def stage(self, state, manifest):
+        if manifest.version.step == self.step and first_to_claim(self.marker):
+            os._exit(17)
+        return super().stage(state, manifest)

@@ -323,6 +323,27 @@ def test_ray_corrupted_transfer_on_one_replica_activates_nothing_anywhere(object
         pool.close()
 
 
+def test_a_replica_dying_while_staging_leaves_every_replica_on_the_old_version(objects, ray_pool, tmp_path):
+    """The sync fails naming the dead replica; the replacement loads the version the others
+    still serve (verified), so the pool is never mixed; the next sync goes through."""
+    from sealrl.placement.rollout_pool import RolloutPool
+    from sealrl.placement.workers import RayWorkerGroup
+    from tests.helpers_replicas import DiesMidStage
+    model, tok, (state, v0), (state1, v1), _ = objects
+    factory = functools.partial(DiesMidStage, model, tok, str(tmp_path / "died"), 1)
+    pool = RolloutPool(RayWorkerGroup("rollout", factory, ray_pool.pool, timeout_s=120), timeout_s=120)
+    try:
+        pool.load(state, v0)
+        with pytest.raises(WorkerError, match="role rollout worker [01]: stage: the worker's process died") as e:
+            pool.load(state1, v1)
+        assert e.value.lost and pool.group.restarts == 1
+        assert pool.history[-1] == (f"replace {e.value.worker}", v0.version.id)
+        assert pool.group.attr("version") == [v0.version] * 2 and pool.group.attr("staged_version") == [None, None]
+        assert pool.load(state1, v1) == v1.version == pool.version
+    finally:
+        pool.close()
+
+
 def test_colocated_and_standalone_rollout_pools_give_identical_experience(objects, local_samples, ray_pool):
     """placement.rollout_pool from the config: replicas on their own bundles, or sharing the
     trainer's bundles; the same seeds give the same samples (and the local ones)."""
