@@ -7,8 +7,18 @@ stages:  rollout, reward, reference, old_log_prob, actor_update, before_optimize
          weight_sync, checkpoint_before_marker, checkpoint_after_marker, after_checkpoint
 actions: raise          raise InjectedFault (the stage fails; the driver's recovery runs)
          kill           SIGKILL this process (no clean-up at all)
+         hang           never return; the stage watchdog (run.stage_timeout_s) ends the process
+                        naming the stage, and resume=auto continues from the last checkpoint
          delay=SECONDS  sleep, then go on
-         corrupt        the caller corrupts what it is about to deliver (weight sync only)
+         corrupt        the caller corrupts what it is about to deliver (weight_sync)
+         twice          the caller delivers its output twice (rollout samples, reward records):
+                        the second copy is dropped by its key and counted
+         late           the caller's call "misses its deadline" and is retried; its real output
+                        arrives after the retry's (rollout, reward) and is rejected by key and
+                        attempt, and counted
+
+`point` carries out raise, kill, hang and delay itself and returns the action name, so that a
+caller carries out corrupt, twice and late where that stage delivers its output.
 """
 from __future__ import annotations
 
@@ -18,6 +28,9 @@ import time
 
 STAGES = ("rollout", "reward", "reference", "old_log_prob", "actor_update", "before_optimizer_step",
           "weight_sync", "checkpoint_before_marker", "checkpoint_after_marker", "after_checkpoint")
+ACTIONS = ("raise", "kill", "hang", "delay", "corrupt", "twice", "late")
+# Where a caller carries the action out; elsewhere it would silently do nothing, so it is refused.
+DELIVERY = {"corrupt": ("weight_sync",), "twice": ("rollout", "reward"), "late": ("rollout", "reward")}
 _fired: set[str] = set()
 
 
@@ -31,24 +44,32 @@ def _plan() -> dict[tuple[str, int], tuple[str, str]]:
         where, _, action = item.partition(":")
         stage, _, it = where.partition("@")
         name = action.split("=")[0]
-        if stage not in STAGES or name not in ("raise", "kill", "delay", "corrupt") or not it.isdigit():
+        if stage not in STAGES or name not in ACTIONS or not it.isdigit():
             raise ValueError(f"SEALRL_FAULTS entry {item!r} must be stage@iteration:action with stage in "
-                             f"{', '.join(STAGES)} and action raise | kill | delay=SECONDS | corrupt")
+                             f"{', '.join(STAGES)} and action raise | kill | hang | delay=SECONDS | corrupt "
+                             f"| twice | late")
+        if stage not in DELIVERY.get(name, STAGES):
+            raise ValueError(f"SEALRL_FAULTS entry {item!r}: action {name} applies only at stage "
+                             f"{' | '.join(DELIVERY[name])}")
         plan[(stage, int(it))] = (item, action)
     return plan
 
 
-def point(stage: str, iteration: int) -> bool:
-    """Fire the fault planned here, if any. Returns True when the caller must corrupt its output."""
+def point(stage: str, iteration: int) -> str:
+    """Fire the fault planned here, if any. Returns the action ("" when none fired): the caller
+    carries out "corrupt", "twice" and "late" on what it delivers."""
     entry = _plan().get((stage, iteration))
     if entry is None or entry[0] in _fired:
-        return False
+        return ""
     item, action = entry
     _fired.add(item)
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if action == "raise":
         raise InjectedFault(f"injected fault at stage {stage}, iteration {iteration}")
+    if action == "hang":
+        while True:  # only a watchdog or a signal ends this
+            time.sleep(3600)
     if action.startswith("delay="):
         time.sleep(float(action.split("=", 1)[1]))
-    return action == "corrupt"
+    return action.split("=")[0]

@@ -1,15 +1,19 @@
 """Injected faults at every named stage: killed runs resume to the same final weights as an
-uninterrupted run (bitwise), failed stages recover (regenerate, roll back and retry), and
-corrupted weight syncs are refused naming the tensor."""
+uninterrupted run (bitwise), failed stages recover (regenerate, roll back and retry), hung
+stages end the process naming the stage and resume exactly, duplicate and late deliveries are
+refused by key and counted, and corrupted weight syncs are refused naming the tensor."""
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 from safetensors.torch import load_file
 
 from sealrl.audit import audit_run
+from sealrl.experience.store import iteration_path, read_table
 from sealrl.trainer.config import build_config
 from sealrl.trainer.driver import train
 
@@ -74,3 +78,60 @@ def test_corrupted_weight_sync_is_refused_naming_the_tensor(tmp_path):
     assert out.returncode == 2
     assert "sealrl: error:" in out.stderr and "model.embed_tokens.weight" in out.stderr, out.stderr[-800:]
     assert (tmp_path / "f" / "checkpoints" / "latest").read_text() == "step_1"
+
+
+def _metrics(run):
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+# (fault, the stage the watchdog names, its iteration): checkpoint faults count the checkpoint's step
+@pytest.mark.parametrize("stage, named, it", [("rollout@2", "stage generate (role rollout", 2),
+                                              ("before_optimizer_step@2", "stage update (role actor", 2),
+                                              ("checkpoint_after_marker@2", "stage checkpoint (role driver", 1)])
+def test_hung_stage_exits_naming_it_then_resume_equals_straight_run(tmp_path, straight, stage, named, it):
+    t0 = time.monotonic()
+    hung = _cli(tmp_path, f"{stage}:hang", "run.stage_timeout_s=10")
+    assert time.monotonic() - t0 < 200            # the hang itself would never end
+    assert hung.returncode == 4, hung.stderr[-1500:]
+    assert f"{named}, worker pid " in hung.stderr and f"iteration {it}," in hung.stderr, hung.stderr[-1500:]
+    [failure] = [json.loads(x) for x in (tmp_path / "f" / "failures.jsonl").read_text().splitlines()]
+    assert failure["stage"] == named.split()[1] and failure["iteration"] == it and failure["timeout_s"] == 10
+    train(build_config(None, ARGS + [f"run.output_dir={tmp_path}", "run.resume=auto"]))
+    _same_final(straight, tmp_path / "f")
+    report = audit_run(tmp_path / "f")
+    assert report.ok, report.summary()
+
+
+def test_duplicate_and_late_deliveries_are_refused_by_key_and_counted(tmp_path, straight):
+    # rollout@2:late: the first generate call "misses its deadline" and is regenerated (same seeds);
+    # its samples, identical to the regenerated ones, arrive afterwards and are still refused.
+    # reward@3:late: the first scoring call times out, the retry policy re-scores, then the first
+    # call's records arrive.
+    os.environ["SEALRL_FAULTS"] = "rollout@1:twice,reward@1:twice,rollout@2:late,reward@3:late"
+    try:
+        train(build_config(None, ARGS + [f"run.output_dir={tmp_path}", "algorithm.reward_error=retry"]))
+    finally:
+        del os.environ["SEALRL_FAULTS"]
+    rows = _metrics(tmp_path / "f")
+    refused = [{k: r[k] for k in ("rollout/duplicate_deliveries", "rollout/late_deliveries",
+                                  "reward/duplicate_deliveries", "reward/late_deliveries")} for r in rows]
+    assert [tuple(r.values()) for r in refused] == [(0, 0, 0, 0), (12, 0, 12, 0), (0, 12, 0, 0), (0, 0, 0, 12)]
+    assert rows[2]["rollout/failed_calls"] == 1 and rows[2]["groups/regenerated_samples"] == 12
+    assert rows[3]["reward/errors"] == 12 and rows[3]["groups/dropped"] == 0
+    assert all(r["groups/committed"] == 3 for r in rows)
+    for it in range(4):   # nothing duplicated in the stored experience, every record the accepted one
+        table, _ = read_table(iteration_path(tmp_path / "f" / "experience", it))
+        ids = table.column("sample_id").to_pylist()
+        assert len(ids) == len(set(ids)) == 12
+        assert set(table.column("reward_status").to_pylist()) == {"ok"}
+    _same_final(straight, tmp_path / "f")
+    report = audit_run(tmp_path / "f")
+    assert report.ok, report.summary()
+
+
+def test_unknown_and_misplaced_fault_actions_are_refused(monkeypatch):
+    from sealrl import faults
+    for plan, words in (("rollout@1:vanish", "hang | delay=SECONDS"), ("reference@1:twice", "only at stage rollout")):
+        monkeypatch.setenv("SEALRL_FAULTS", plan)
+        with pytest.raises(ValueError, match=re.escape(words)):
+            faults.point("rollout", 1)

@@ -80,3 +80,33 @@ def test_reward_retry_rescored_then_dropped():
     assert list(kept) == [ga]
     assert calls == [[sample_id(ga, 1), sample_id(gb, 0)], [sample_id(gb, 0)]]
     assert ledger.groups[gb].status == "dropped" and "timeout" in ledger.groups[gb].reason
+
+
+def test_deliveries_accept_each_key_once_from_the_attempt_that_asked():
+    ledger, reqs = new_iteration(0, 2, 1, "run", 0, [("a", (1,)), ("b", (1,))])
+    ga, gb = list(reqs)
+    first = [_sample(ga, 0), _sample(ga, 1), _sample(gb, 0)]          # b1 lost by attempt 0
+    late, regenerated = [_sample(gb, 1)], _sample(gb, 1)             # ... and arrives after the retry
+    groups = ledger.complete(first + [_sample(ga, 0)] + [_sample("run/0/zz", 0)], lambda r: [regenerated], reqs)
+    ledger.deliver(late, 0)        # superseded attempt: refused, though the same seed gave the same sample
+    ledger.deliver([_sample(ga, 1)], 1)   # attempt 1 never asked for a1
+    counts = ledger.counts()
+    assert sorted(groups) == [ga, gb] and groups[gb][1] is regenerated
+    assert (counts["rollout/duplicate_deliveries"], counts["rollout/late_deliveries"],
+            counts["rollout/unexpected_deliveries"]) == (1, 1, 2)
+
+
+def test_reward_records_joined_by_sample_id_missing_ones_are_errors():
+    ledger, reqs = new_iteration(0, 2, 1, "run", 0, [("a", (1,))])
+    ids = [sample_id(list(reqs)[0], c) for c in range(2)]
+    ok = RewardRecord.success(1.0, "v")
+    records = ledger.score(ids, lambda attempt: [(ids[0], ok), (ids[0], ok), ("run/0/x/0", ok)], "v")
+    assert records[ids[0]] is ok and not records[ids[1]].ok
+    assert records[ids[1]].message == (f"scorer 'v': the reward role delivered 3 records for 2 samples; "
+                                       f"none for sample {ids[1]!r}")
+    again = ledger.score([ids[1]], lambda attempt: [(ids[1], ok)], "v")    # the retry policy's call
+    ledger.deliver_rewards([(ids[1], RewardRecord.success(0.0, "v"))], 0)  # attempt 0's, late
+    counts = ledger.counts()
+    assert again[ids[1]] is ok
+    assert (counts["reward/duplicate_deliveries"], counts["reward/late_deliveries"],
+            counts["reward/unexpected_deliveries"]) == (1, 1, 1)

@@ -43,6 +43,7 @@ class RunConfig:
     max_wall_s: float = 0.0                # stop after this much training time (0 = no limit)
     threads: int = 0                       # torch threads (0 = leave torch's default)
     update_retries: int = 1                # a failed update is rolled back and tried again this often
+    stage_timeout_s: float = 3600.0        # deadline of each driver stage; expiry exits 4 naming it (0 = none)
     progress: bool = True                  # live progress bar on stderr
     loggers: str = "tensorboard"           # comma list beyond metrics.jsonl: tensorboard, wandb, mlflow ("" = none)
 
@@ -50,6 +51,7 @@ class RunConfig:
         _check(self.resume in ("never", "auto"), "run.resume", "never or auto", self.resume)
         _check(self.iterations >= 1, "run.iterations", ">= 1", self.iterations)
         _check(self.checkpoint_every >= 0, "run.checkpoint_every", ">= 0", self.checkpoint_every)
+        _check(self.stage_timeout_s >= 0, "run.stage_timeout_s", ">= 0 (0 = no deadline)", self.stage_timeout_s)
         unknown = [x for x in self.loggers.split(",") if x.strip() and x.strip() not in LOGGERS]
         _check(not unknown, "run.loggers", f"a comma list of {' | '.join(LOGGERS)}", self.loggers)
         _check(bool(self.name) and "/" not in self.name and ".." not in self.name and

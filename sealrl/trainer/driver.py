@@ -63,7 +63,7 @@ def _train(cfg: Config, run_dir, roles) -> dict:
     setup.write_run_files(run_dir, cfg, {"run": cfg.run.seed}, {"data_hash": data.hash,
                                                                  "num_train_prompts": len(data.train),
                                                                  "dropped_train_rows": data.train.num_dropped})
-    sm = StateMachine(run_dir / "trace.json")
+    sm = StateMachine(run_dir / "trace.json", cfg.run.stage_timeout_s)
     logger = MetricsLogger(run_dir, cfg.run.loggers)
     eval_kw = dict(reward_fn=setup.build_reward_fn(cfg), tokenizer=roles.tokenizer,
                    max_new_tokens=cfg.rollout.max_new_tokens, num=cfg.eval.num, pass_k=cfg.eval.pass_k,
@@ -91,7 +91,7 @@ def _train(cfg: Config, run_dir, roles) -> dict:
             with sm.stage("checkpoint", "driver"):
                 save_position(run_dir, it + 1, cfg, roles, sampler, kl_ctl, data.hash,
                               {"accuracy_before": before, "train_wall_s": wall})
-            faults.point("after_checkpoint", it + 1)
+                faults.point("after_checkpoint", it + 1)
         sm.flush()
         if last:
             break
@@ -116,7 +116,7 @@ def sync_weights(roles, sm: StateMachine, iteration: int):
     with sm.stage("weight_sync", "rollout"):
         state, manifest = roles.actor.export()
         sm.to(Phase.EXPORTING, manifest.version.id)
-        if faults.point("weight_sync", iteration):
+        if faults.point("weight_sync", iteration) == "corrupt":
             name = next(iter(state))
             state[name] = state[name].clone().flatten().index_fill_(0, torch.tensor([0]), 1e3).view_as(state[name])
         sm.to(Phase.ROLLOUT_LOADING, manifest.version.id)
@@ -133,27 +133,41 @@ def run_iteration(it, cfg: Config, roles, data, sampler, kl_ctl, contract, sm: S
                                      [(p.prompt_id, p.token_ids) for p in prompts])
     # GENERATING(v): every sample comes from the active version v, and only from it.
     sm.to(Phase.GENERATING, version.id)
+    late = []   # (attempt, samples) of a generate call that missed its deadline (fault "late")
+
     def generate(reqs):
         """A failed generate call loses its samples; the ledger regenerates them with the
         same version and seeds, or drops their groups after the retry limit."""
+        attempt = ledger.attempt
         try:
-            faults.point("rollout", it)
-            return roles.rollout.generate(reqs, contract, version)
+            fault = faults.point("rollout", it)
+            samples = roles.rollout.generate(reqs, contract, version)
         except Exception as e:  # noqa: BLE001 - recorded, counted and retried below
             ledger.failures.append(f"rollout: {type(e).__name__}: {e}")
             return []
+        if fault == "late":   # counted as failed and retried; its samples arrive after the retry's
+            ledger.failures.append(f"rollout: attempt {attempt} missed its deadline (injected late delivery)")
+            late.append((attempt, samples))
+            return []
+        return samples + samples if fault == "twice" else samples
 
     with sm.stage("generate", "rollout"):
         timed = from_stage_start(generate, time.perf_counter())  # completion times on the stage's clock
         groups = ledger.complete(timed(list(requests.values())), timed, requests)
+        for attempt, samples in late:   # refused by key and attempt, counted
+            ledger.deliver(samples, attempt)
     decode = lambda s: roles.tokenizer.decode(list(s.response_ids), skip_special_tokens=True)  # noqa: E731
     prompt_of = lambda g: by_id[ledger.groups[g].prompt_id]  # noqa: E731
     with sm.stage("reward", "reward"):
         items = {s.sample_id: (s, prompt_of(g).text, decode(s), prompt_of(g).ground_truth, prompt_of(g).data_source)
                  for g, ss in groups.items() for s in ss}
-        score = lambda ids: score_or_error(roles.reward, [items[i] for i in ids], it)  # noqa: E731
+        late_records = []   # (attempt, records) of a scoring call that missed its deadline (fault "late")
+        score = lambda ids: ledger.score(ids, lambda attempt: score_or_error(  # noqa: E731
+            roles.reward, [items[i] for i in ids], it, attempt, late_records), roles.reward.scorer)
         records = score(list(items))
         kept = ledger.apply_reward_policy(groups, records, cfg.algorithm.reward_error, score)
+        for attempt, pairs in late_records:   # after the retry: refused by attempt, counted
+            ledger.deliver_rewards(pairs, attempt)
     ledger.commit(list(kept))
     metrics = {**ledger.counts(), **rollout_metrics(groups, records, sm.stage_seconds["generate"])}
     if not kept:
@@ -198,15 +212,21 @@ def run_iteration(it, cfg: Config, roles, data, sampler, kl_ctl, contract, sm: S
     return metrics
 
 
-def score_or_error(reward, items, it) -> dict[str, RewardRecord]:
-    """Scores from the reward role; if the role itself fails, every sample gets an error
-    record naming it (never a score), and the reward-error policy decides."""
+def score_or_error(reward, items, it, attempt, late) -> list[tuple[str, RewardRecord]]:
+    """(sample id, record) pairs from the reward role, for the ledger to join by sample id; if
+    the role itself fails, every sample gets an error record naming it (never a score), and the
+    reward-error policy decides."""
     try:
-        faults.point("reward", it)
-        return reward.score(items)
+        fault = faults.point("reward", it)
+        pairs = reward.score(items)
     except Exception as e:  # noqa: BLE001 - becomes error records, counted by the ledger
         msg = f"reward role failed: {type(e).__name__}: {e}"
-        return {s.sample_id: RewardRecord.failure(RewardStatus.ERROR, "reward-role", msg) for s, *_ in items}
+        return [(s.sample_id, RewardRecord.failure(RewardStatus.ERROR, "reward-role", msg)) for s, *_ in items]
+    if fault == "late":   # the call times out; its records arrive after the policy's retry
+        late.append((attempt, pairs))
+        msg = f"reward role: no records within the deadline (attempt {attempt}, injected late delivery)"
+        return [(s.sample_id, RewardRecord.failure(RewardStatus.TIMEOUT, "reward-role", msg)) for s, *_ in items]
+    return pairs + pairs if fault == "twice" else pairs
 
 
 def update_with_rollback(cfg: Config, roles, batch, version, it) -> dict:

@@ -1,14 +1,16 @@
 """Group ledger (DESIGN section 4): prompts become groups of n candidates; a group reaches the
 loss only when complete. Failed candidates are regenerated with the same policy version and
 the same per-request seed; after the retry limit the whole group is dropped and recorded, never
-padded with other prompts' samples. Reward errors follow the configured policy. Every outcome is
-counted and written to `ledger.jsonl`."""
+padded with other prompts' samples. Reward errors follow the configured policy. Rollout samples
+and reward records are joined by key and attempt, never by position: duplicate, late and
+unexpected deliveries are refused and counted. Every outcome is counted and written to
+`ledger.jsonl`."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from sealrl.experience import RewardRecord, StopReason, digest, group_id
+from sealrl.experience import RewardRecord, RewardStatus, StopReason, digest, group_id
 from sealrl.rollout.engine import GenerationRequest, RolloutSample
 
 
@@ -31,54 +33,111 @@ class GroupEntry:
 
 
 @dataclass(slots=True)
+class Deliveries:
+    """Joins deliveries by key. A key is accepted once, and only from the attempt that last asked
+    for it; what is refused is counted: a second copy from that attempt (duplicate), a copy from
+    a superseded attempt or one arriving after the join closed (late: same seed, maybe the same
+    bytes, still refused), a key or attempt never asked for (unexpected)."""
+    asked: dict = field(default_factory=dict)   # key -> attempt that asked for it last
+    got: dict = field(default_factory=dict)     # key -> accepted value
+    finished: set = field(default_factory=set)  # attempts whose results were already decided on
+    duplicates: int = 0
+    late: int = 0
+    unexpected: int = 0
+
+    def ask(self, keys, attempt: int) -> None:
+        """A new attempt for `keys`: what an older attempt delivered for them is discarded."""
+        for k in keys:
+            self.asked[k] = attempt
+            self.got.pop(k, None)
+
+    def offer(self, key, attempt: int, value) -> None:
+        asked = self.asked.get(key)
+        if asked is None or attempt > asked:
+            self.unexpected += 1
+        elif attempt < asked:
+            self.late += 1
+        elif key in self.got:
+            self.duplicates += 1
+        elif attempt in self.finished:
+            self.late += 1
+        else:
+            self.got[key] = value
+
+
+@dataclass(slots=True)
 class IterationLedger:
     iteration: int
     n: int
     max_retries: int
     groups: dict[str, GroupEntry] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)   # failed generate calls, with the error
-    duplicates: int = 0                                  # deliveries of an already-joined candidate
-    unexpected: int = 0                                  # late or foreign samples (unknown group/version)
+    attempt: int = 0                                     # the generate call being joined (0 = first)
+    rollout: Deliveries = field(default_factory=Deliveries)   # keyed (group id, candidate)
+    rewards: Deliveries = field(default_factory=Deliveries)   # keyed sample id
+    reward_attempt: int = -1                             # the scoring call being joined
 
     # ---- rollout completion -------------------------------------------------------------
     def complete(self, samples: list[RolloutSample],
                  regenerate: Callable[[list[GenerationRequest]], list[RolloutSample]],
                  requests: dict[str, GenerationRequest]) -> dict[str, list[RolloutSample]]:
         """Join samples by (group, candidate); regenerate failed or missing candidates with the
-        same request seed up to `max_retries`; drop groups that stay incomplete."""
-        got: dict[str, dict[int, RolloutSample]] = {g: {} for g in requests}
-        self._join(got, samples)
-        for attempt in range(self.max_retries + 1):
-            missing = {g: tuple(c for c in range(self.n) if c not in got[g]) for g in got}
+        same request seed up to `max_retries`; drop groups that stay incomplete. `samples` are
+        the first generate call's (attempt 0); the join closes on return."""
+        self.rollout.ask([(g, c) for g in requests for c in range(self.n)], 0)
+        self.deliver(samples, 0)
+        for attempt in range(1, self.max_retries + 2):
+            missing = {g: tuple(c for c in range(self.n) if (g, c) not in self.rollout.got) for g in requests}
             missing = {g: c for g, c in missing.items() if c}
-            if not missing or attempt == self.max_retries:
+            if not missing or attempt > self.max_retries:
                 break
+            self.attempt = attempt
+            self.rollout.ask([(g, c) for g, cands in missing.items() for c in cands], attempt)
             retry = [GenerationRequest(g, requests[g].prompt_ids, requests[g].seed, cands)
                      for g, cands in missing.items()]
-            self._join(got, regenerate(retry))
+            self.deliver(regenerate(retry), attempt)
             for g, cands in missing.items():
                 self.groups[g].regenerated += len(cands)
+        self.rollout.finished.update(range(self.attempt + 1))
         complete = {}
-        for g, cands in got.items():
-            if len(cands) == self.n:
-                complete[g] = [cands[c] for c in range(self.n)]
+        for g in requests:
+            cands = [self.rollout.got.get((g, c)) for c in range(self.n)]
+            if None not in cands:
+                complete[g] = cands
             else:
                 last = f"; last failure: {self.failures[-1][:160]}" if self.failures else ""
                 self.drop(g, f"rollout incomplete after {self.max_retries} retries "
-                             f"({len(cands)}/{self.n} candidates){last}")
+                             f"({self.n - cands.count(None)}/{self.n} candidates){last}")
         return complete
 
-    def _join(self, got: dict[str, dict[int, RolloutSample]], samples: list[RolloutSample]) -> None:
-        """Join by (group, candidate): a second delivery of a joined candidate and a sample of
-        a group this iteration did not ask for (late, from another iteration) are dropped and
-        counted; failed samples (stop reason error) are left missing, to be regenerated."""
+    def deliver(self, samples: list[RolloutSample], attempt: int) -> None:
+        """Samples of generate call `attempt`, whenever they arrive (see Deliveries). Failed
+        samples (stop reason error) are left missing, to be regenerated."""
         for s in samples:
-            if s.group_id not in got or s.candidate >= self.n:
-                self.unexpected += 1
-            elif s.candidate in got[s.group_id]:
-                self.duplicates += 1
-            elif s.stop_reason is not StopReason.ERROR:
-                got[s.group_id][s.candidate] = s
+            if s.stop_reason is not StopReason.ERROR:
+                self.rollout.offer((s.group_id, s.candidate), attempt, s)
+
+    # ---- rewards ------------------------------------------------------------------------
+    def score(self, ids: list[str], call: Callable[[int], list[tuple[str, RewardRecord]]],
+              scorer: str) -> dict[str, RewardRecord]:
+        """One scoring attempt for `ids`: `call(attempt)` delivers (sample id, record) pairs,
+        joined by sample id (see Deliveries). A sample left without a record gets an error
+        record naming the scorer and the counts: never a misaligned or missing score."""
+        self.reward_attempt += 1
+        attempt = self.reward_attempt
+        self.rewards.ask(ids, attempt)
+        pairs = call(attempt)
+        self.deliver_rewards(pairs, attempt)
+        self.rewards.finished.add(attempt)
+        lost = f"the reward role delivered {len(pairs)} records for {len(ids)} samples"
+        return {i: self.rewards.got.get(i) or RewardRecord.failure(
+                    RewardStatus.ERROR, scorer, f"scorer {scorer!r}: {lost}; none for sample {i!r}")
+                for i in ids}
+
+    def deliver_rewards(self, pairs: list[tuple[str, RewardRecord]], attempt: int) -> None:
+        """Records of scoring call `attempt`, whenever they arrive (see Deliveries)."""
+        for sample_id, record in pairs:
+            self.rewards.offer(sample_id, attempt, record)
 
     # ---- reward policy ------------------------------------------------------------------
     def apply_reward_policy(self, groups: dict[str, list[RolloutSample]], records: dict[str, RewardRecord],
@@ -120,8 +179,12 @@ class IterationLedger:
             "groups/dropped": sum(e.status == "dropped" for e in entries),
             "groups/regenerated_samples": sum(e.regenerated for e in entries),
             "rollout/failed_calls": len(self.failures),
-            "rollout/duplicate_deliveries": self.duplicates,
-            "rollout/unexpected_deliveries": self.unexpected,
+            "rollout/duplicate_deliveries": self.rollout.duplicates,
+            "rollout/late_deliveries": self.rollout.late,
+            "rollout/unexpected_deliveries": self.rollout.unexpected,
+            "reward/duplicate_deliveries": self.rewards.duplicates,
+            "reward/late_deliveries": self.rewards.late,
+            "reward/unexpected_deliveries": self.rewards.unexpected,
             "reward/errors": sum(e.reward_errors for e in entries),
             "reward/penalised": sum(e.penalised for e in entries),
         }

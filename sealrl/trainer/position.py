@@ -19,7 +19,8 @@ from sealrl.trainer.config import Config, config_diff
 # Keys that may change between a run and its resumption (they do not change the numbers).
 RESUMABLE_KEYS = {("run", "iterations"), ("run", "resume"), ("run", "progress"), ("run", "max_wall_s"),
                   ("run", "checkpoint_every"), ("run", "eval_every"), ("eval", "num"), ("eval", "pass_k"),
-                  ("eval", "temperature"), ("reward", "num_workers"), ("reward", "timeout_s")}
+                  ("eval", "temperature"), ("reward", "num_workers"), ("reward", "timeout_s"),
+                  ("run", "stage_timeout_s")}
 
 
 def save_position(run_dir: Path, iteration: int, cfg: Config, roles, sampler, kl_ctl, data_hash: str,

@@ -3,12 +3,22 @@
 A transition is legal only from the phase before it; anything else is a bug in the driver and
 raises. Stages (timed spans inside a phase) go to `trace.json` in the Chrome trace format
 (opens in Perfetto) with iteration, role and policy version.
+
+Every stage runs under a deadline (`stage_timeout_s`, 0 = none): a watchdog thread armed when
+the stage starts and cancelled when it ends. A stage that hangs in this process cannot be
+pre-empted safely, so on expiry the watchdog writes the failure (stage, role, worker process,
+iteration, version) to stderr and to `failures.jsonl` in the run folder, then ends the process
+with exit status STAGE_TIMEOUT_EXIT: nothing after the last committed checkpoint is kept, and
+`resume=auto` continues from it exactly. Work in other processes has its own deadlines (reward
+pool, Ray calls); this one bounds the driver's own waits on top of them.
 """
 from __future__ import annotations
 
 import enum
 import json
 import os
+import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,8 +43,12 @@ class IllegalTransition(RuntimeError):
     pass
 
 
+STAGE_TIMEOUT_EXIT = 4   # exit status of a process ended by the stage watchdog
+
+
 class StateMachine:
-    def __init__(self, trace_path: Path | None = None):
+    def __init__(self, trace_path: Path | None = None, stage_timeout_s: float = 0.0):
+        self.stage_timeout_s = stage_timeout_s
         self.phase = Phase.ACTOR_COMMITTED
         self.version = ""
         self.iteration = 0
@@ -56,12 +70,15 @@ class StateMachine:
 
     @contextmanager
     def stage(self, name: str, role: str):
-        """Time a stage; its duration goes to `stage_seconds` and to the trace."""
+        """Time a stage under the watchdog; its duration goes to `stage_seconds` and to the trace."""
         start = self._now()
         t = time.perf_counter()
+        watchdog = self._arm(name, role)
         try:
             yield
         finally:
+            if watchdog is not None:
+                watchdog.cancel()
             end = time.perf_counter()
             dt = end - t
             self.stage_seconds[name] = self.stage_seconds.get(name, 0.0) + dt
@@ -69,6 +86,17 @@ class StateMachine:
             self._events.append({"name": name, "cat": role, "ph": "X", "ts": start, "dur": dt * 1e6,
                                  "pid": 0, "tid": role,
                                  "args": {"iteration": self.iteration, "role": role, "version": self.version}})
+
+    def _arm(self, name: str, role: str) -> threading.Timer | None:
+        if not self.stage_timeout_s:
+            return None
+        failure = {"stage": name, "role": role, "worker": f"pid {os.getpid()}", "iteration": self.iteration,
+                   "version": self.version, "timeout_s": self.stage_timeout_s}
+        folder = self._trace_path.parent if self._trace_path is not None else None
+        timer = threading.Timer(self.stage_timeout_s, _stage_timed_out, (failure, folder))
+        timer.daemon = True   # never keeps a finished process alive
+        timer.start()
+        return timer
 
     def start_iteration(self, iteration: int) -> None:
         self.iteration, self.stage_seconds, self.stage_spans = iteration, {}, []
@@ -87,3 +115,21 @@ class StateMachine:
         tmp.write_text(json.dumps({"traceEvents": old + self._events}))
         os.replace(tmp, self._trace_path)
         self._events = []
+
+
+def _stage_timed_out(failure: dict, folder: Path | None) -> None:
+    """Watchdog expiry (on the timer thread): name the stage, record it, end the process."""
+    f = failure
+    message = (f"sealrl: error: stage {f['stage']} (role {f['role']}, worker {f['worker']}, iteration "
+               f"{f['iteration']}, policy version {f['version'] or '-'}) did not finish within "
+               f"{f['timeout_s']:g} s (run.stage_timeout_s); exiting with status {STAGE_TIMEOUT_EXIT}, "
+               f"resume=auto continues from the last committed checkpoint")
+    try:
+        print(message, file=sys.stderr, flush=True)
+        if folder is not None:
+            with open(folder / "failures.jsonl", "a") as out:
+                out.write(json.dumps({**f, "time": time.time(), "message": message}) + "\n")
+                out.flush()
+                os.fsync(out.fileno())
+    finally:
+        os._exit(STAGE_TIMEOUT_EXIT)   # the hung main thread cannot be unwound; the OS frees all

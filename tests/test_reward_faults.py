@@ -1,0 +1,126 @@
+"""Reward faults through the driver: one reward call in five runs past the pool's deadline, and a
+batch scorer returns the wrong number of scores, NaN, inf or None. Each iteration ends in bounded
+time, the failures are stored as error/timeout records (never a score) and counted, training
+goes on to the end, the audit passes, and no scorer process is left behind.
+
+The scorers live at module level so pool workers can unpickle them; this module imports only
+light modules at the top, so a worker importing it stays fast (heavy ones inside the tests).
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+import zlib
+
+from sealrl.rewards.base import RewardSample
+from sealrl.rewards.verifiers import ArithmeticExactMatch
+from tests.test_rewards_pool import child_pids
+
+TIMEOUT_S = 1.0
+ARGS = ["run.name=t", "run.iterations=4", "run.progress=false", "run.threads=1", "run.loggers=",
+        "data.num_train=40", "eval.num=4", "data.prompts_per_iter=3", "rollout.n=4", "rollout.max_new_tokens=5",
+        "actor.micro_batch_size=6", "actor.lr=1e-3", "algorithm.reward_error=penalty"]
+
+
+def slow(sample_id: str) -> bool:
+    """About one training sample in five, chosen by its id (deterministic); no eval sample."""
+    return not sample_id.startswith("eval/") and zlib.crc32(sample_id.encode()) % 5 == 0
+
+
+class SlowOneInFive:
+    name = "slow_one_in_five"
+    version = "1"
+
+    def __call__(self, sample: RewardSample) -> float:
+        if slow(sample.sample_id):
+            time.sleep(600)   # far past the deadline: only the pool's SIGKILL ends this call
+        return ArithmeticExactMatch()(sample)
+
+
+class BadBatchScorer:
+    """A batch scorer (as a reward model is): on iteration 1 it loses one score of the batch; on
+    iteration 2 candidates 0, 1, 2 get NaN, inf and None."""
+
+    name = "bad_batch"
+    version = "3"
+
+    def __call__(self, sample: RewardSample):
+        iteration, candidate = sample.sample_id.split("/")[1], int(sample.sample_id.split("/")[-1])
+        if iteration == "2" and candidate < 3 and not sample.sample_id.startswith("eval/"):
+            return (math.nan, math.inf, None)[candidate]
+        return ArithmeticExactMatch()(sample)
+
+    def score_batch(self, samples):
+        scores = [self(s) for s in samples]
+        short = any(s.sample_id.split("/")[1] == "1" and not s.sample_id.startswith("eval/") for s in samples)
+        return scores[:-1] if short else scores
+
+
+def _train(tmp_path, monkeypatch, scorer, *extra):
+    from sealrl.trainer import setup
+    from sealrl.trainer.config import build_config
+    from sealrl.trainer.driver import train
+    monkeypatch.setattr(setup, "build_reward_fn", lambda cfg: scorer)
+    return train(build_config(None, ARGS + [f"run.output_dir={tmp_path}", *extra]))
+
+
+def _stored(run, it) -> list[dict]:
+    from sealrl.experience.store import iteration_path, read_table
+    table, _ = read_table(iteration_path(run / "experience", it))
+    return table.select(["sample_id", "reward_status", "reward_total", "reward_message"]).to_pylist()
+
+
+def _audit_ok(run) -> None:
+    from sealrl.audit import audit_run
+    report = audit_run(run)
+    assert report.ok, report.summary()
+
+
+def test_one_reward_call_in_five_times_out(tmp_path, monkeypatch):
+    before = child_pids()
+    summary = _train(tmp_path, monkeypatch, SlowOneInFive(), "reward.num_workers=2", f"reward.timeout_s={TIMEOUT_S}")
+    assert child_pids() - before == set()          # every killed and every idle worker reaped
+    run = tmp_path / "t"
+    assert summary["completed"] and summary["iterations"] == 4
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    ledger = [json.loads(x) for x in (run / "ledger.jsonl").read_text().splitlines()]
+    num_slow = 0
+    for it, row in enumerate(metrics):
+        stored = _stored(run, it)
+        assert len(stored) == 12                    # penalty policy: every group trained
+        for r in stored:
+            if slow(r["sample_id"]):
+                assert r["reward_status"] == "timeout" and r["reward_total"] is None
+                assert f"no result within the {TIMEOUT_S:g} s deadline" in r["reward_message"]
+                assert "scorer 'slow_one_in_five'" in r["reward_message"] and "killed" in r["reward_message"]
+            else:
+                assert r["reward_status"] == "ok" and r["reward_total"] is not None
+        timeouts = sum(slow(r["sample_id"]) for r in stored)
+        assert row["reward/status_timeout"] == timeouts and row["reward/penalised"] == timeouts
+        assert sum(e["penalised"] for e in ledger if e["iteration"] == it) == timeouts
+        assert row["time/reward_s"] < 60             # a call sleeps 600 s: the deadline ended it
+        num_slow += timeouts
+    assert 0.1 <= num_slow / 48 <= 0.35              # about one call in five
+    _audit_ok(run)
+
+
+def test_wrong_length_nan_inf_none_become_error_records(tmp_path, monkeypatch):
+    summary = _train(tmp_path, monkeypatch, BadBatchScorer(), "reward.num_workers=0")
+    run = tmp_path / "t"
+    assert summary["completed"]
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [row["reward/errors"] for row in metrics] == [0, 12, 9, 0]
+    for r in _stored(run, 1):                       # no score is matched to a sample by position
+        assert r["reward_status"] == "error" and r["reward_total"] is None
+        assert r["reward_message"].startswith("scorer 'bad_batch' (version 3) on sample ")
+        assert r["reward_message"].endswith("score_batch returned 11 scores for 12 samples")
+    expected = {0: "returned nan (float)", 1: "returned inf (float)", 2: "returned None (NoneType)"}
+    for r in _stored(run, 2):
+        candidate = int(r["sample_id"].split("/")[-1])
+        if candidate in expected:
+            assert r["reward_status"] == "error" and r["reward_total"] is None
+            assert expected[candidate] in r["reward_message"], r["reward_message"]
+        else:
+            assert r["reward_status"] == "ok"
+    _audit_ok(run)
