@@ -52,6 +52,10 @@ def assert_same_weights(a, b, part, step, tol=1e-6):
     assert max(diffs.values()) <= tol, sorted(diffs.items(), key=lambda kv: -kv[1])[:3]
 
 
+def experience(run_dir, it):
+    return read_iteration(run_dir / "experience" / f"iter_{it:06d}.parquet")
+
+
 def metrics(run_dir):
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -108,7 +112,7 @@ def test_grpo_two_actor_ranks_give_the_one_process_update_through_a_resume(tmp_p
     run(tmp_path, "dp", "algorithm.name=grpo", "run.iterations=2", "run.resume=auto",
         "placement.actor_workers=2", *DP)
     assert_same_weights(local, dp, "actor_model", 2)
-    a, b = read_iteration(local / "experience" / "iter_000001.parquet"), read_iteration(dp / "experience" / "iter_000001.parquet")
+    a, b = experience(local, 1), experience(dp, 1)
     assert [s.response_ids for s in a.samples] == [s.response_ids for s in b.samples]  # same experience
     assert torch.allclose(a.get("old_log_probs"), b.get("old_log_probs"), atol=1e-5, rtol=0)  # joined by id
     for ma, mb in zip(metrics(local), metrics(dp)):
@@ -126,7 +130,7 @@ def test_ppo_two_actor_and_two_critic_ranks_give_the_one_process_update(tmp_path
     dp = run(tmp_path, "dp", *extra, "placement.actor_workers=2", "placement.critic_workers=2", *DP)
     assert_same_weights(local, dp, "actor_model", 1)
     assert_same_weights(local, dp, "critic_model", 1)
-    a, b = read_iteration(local / "experience" / "iter_000000.parquet"), read_iteration(dp / "experience" / "iter_000000.parquet")
+    a, b = experience(local, 0), experience(dp, 0)
     assert torch.allclose(a.get("values"), b.get("values"), atol=1e-5, rtol=0)   # sharded values, joined by id
     (ma,), (mb,) = metrics(local), metrics(dp)
     assert ma["critic/value_loss"] == pytest.approx(mb["critic/value_loss"], abs=1e-6)
