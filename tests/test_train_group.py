@@ -139,3 +139,24 @@ def test_ppo_two_actor_and_two_critic_ranks_give_the_one_process_update(tmp_path
     # doubled gradient) could pass the weights check; the summed loss and norm would not.
     assert ma["actor/pg_loss"] == pytest.approx(mb["actor/pg_loss"], abs=1e-6)
     assert ma["actor/grad_norm"] == pytest.approx(mb["actor/grad_norm"], rel=1e-5)
+
+
+def test_colocated_actor_ranks_share_the_rollout_replicas_bundles(tmp_path, ray_session):
+    """placement.rollout_pool=colocated with 2 actor ranks and 2 replicas: one Ray pool, rank k
+    and replica k on bundle k (each asks half of it), and the update is the one-process one."""
+    from sealrl.trainer import setup
+    colocated = ["placement.actor_workers=2", "placement.rollout_replicas=2", "placement.rollout_pool=colocated",
+                 "placement.backend=ray", "placement.cpus_per_replica=1", "placement.timeout_s=180"]
+    cfg = build_config(None, [*ARGS, "algorithm.name=grpo", *colocated])
+    roles = setup.build_roles(cfg, "colocated")
+    try:
+        pool = roles.actor.replicas.group._pool
+        assert pool is roles.rollout.group._pool and pool.spec.roles == ("actor", "rollout")
+        assert pool.spec.num_workers == 2
+    finally:
+        roles.close()
+    local = run(tmp_path, "local", "algorithm.name=grpo", "run.iterations=1")
+    dp = run(tmp_path, "dp", "algorithm.name=grpo", "run.iterations=1", *colocated)
+    assert_same_weights(local, dp, "actor_model", 1)
+    with pytest.raises(ValueError, match="placement.actor_workers"):
+        build_config(None, [*colocated, "placement.rollout_replicas=3"])

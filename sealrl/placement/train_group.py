@@ -338,14 +338,20 @@ def start_ray(placement, closers: list) -> None:
 
 
 def ray_train_group(role: str, rank_factory: Callable[[], TrainRank], num_workers: int, model,
-                    timeout_s: float, closers: list) -> WorkerGroup:
-    """`num_workers` Ray actors (1 CPU each, in one placement group) hosting `rank_factory()`,
-    joined in one process group (gloo; nccl when `model` is on CUDA), each seeded by its rank."""
+                    timeout_s: float, closers: list, pool=None) -> WorkerGroup:
+    """`num_workers` Ray actors hosting `rank_factory()`, joined in one process group (gloo;
+    nccl when `model` is on CUDA), each seeded by its rank: in their own placement group (1 CPU
+    each), or rank k on bundle k of a shared `pool` (colocated with the rollout replicas; its
+    creator closes it)."""
     from sealrl.placement.workers import PoolSpec, RayPool, RayWorkerGroup
     cuda = next(model.parameters()).is_cuda
-    spec = PoolSpec(name=role, roles=(role,), num_workers=num_workers, num_cpus_per_worker=1.0,
-                    num_gpus_per_worker=1.0 if cuda else 0.0)
-    pool = RayPool(spec, timeout_s=timeout_s)
+    own = pool is None
+    if own:
+        pool = RayPool(PoolSpec(name=role, roles=(role,), num_workers=num_workers, num_cpus_per_worker=1.0,
+                                num_gpus_per_worker=1.0 if cuda else 0.0), timeout_s=timeout_s)
+    elif pool.spec.num_workers != num_workers:
+        raise ValueError(f"{role}: {num_workers} ranks cannot share pool {pool.spec.name} of "
+                         f"{pool.spec.num_workers} bundles")
     group = None
     try:  # a rank that fails to start or join: nothing of this group is left behind
         group = RayWorkerGroup(role, rank_factory, pool, timeout_s=timeout_s, threads=1)
@@ -356,7 +362,8 @@ def ray_train_group(role: str, rank_factory: Callable[[], TrainRank], num_worker
     except BaseException:
         if group is not None:
             group.close()
-        pool.close()
+        if own:
+            pool.close()
         raise
-    closers.extend([pool.close, group.close])   # closed in reverse: the actors, then the pool
+    closers.extend([pool.close, group.close] if own else [group.close])  # reverse: actors, then pool
     return group

@@ -232,6 +232,10 @@ class PlacementConfig:
         _check(self.rollout_pool in ("standalone", "colocated"), "placement.rollout_pool",
                "standalone or colocated", self.rollout_pool)
         _check(self.timeout_s > 0, "placement.timeout_s", "> 0", self.timeout_s)
+        # colocated: actor rank k and rollout replica k share bundle k of one pool
+        _check(self.rollout_pool == "standalone" or self.actor_workers in (1, self.rollout_replicas),
+               "placement.actor_workers", "1 or placement.rollout_replicas when placement.rollout_pool="
+               "colocated", self.actor_workers)
 
 
 @dataclass(kw_only=True, slots=True)

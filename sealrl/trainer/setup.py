@@ -163,10 +163,11 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
                                    pad, total_optimizer_steps(cfg), horizon)
     actor = make_actor()
     closers: list = []
+    shared = shared_pool(cfg, closers)  # colocated actor ranks and rollout replicas, or None
     if cfg.placement.actor_workers > 1:
-        actor = data_parallel_role(cfg, "actor", make_actor, actor, closers)
+        actor = data_parallel_role(cfg, "actor", make_actor, actor, closers, shared)
     rollout = RolloutWorker(model, tokenizer) if cfg.placement.backend == "local" else \
-        ray_rollout_pool(cfg, model, tokenizer, closers)
+        ray_rollout_pool(cfg, model, tokenizer, closers, shared)
     reference = None
     if cfg.algorithm.kl_coef > 0:  # no reference model is loaded when the KL coefficient is 0
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
@@ -186,7 +187,22 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
     return Roles(actor, rollout, reward, reference, critic, tokenizer, closers)
 
 
-def data_parallel_role(cfg: Config, role: str, make_worker, local, closers: list):
+def shared_pool(cfg: Config, closers: list):
+    """With `placement.rollout_pool=colocated` and data-parallel actor ranks: the one Ray pool
+    whose bundle k holds actor rank k and rollout replica k (rollout_pool_spec). None otherwise:
+    each group then makes its own."""
+    p = cfg.placement
+    if p.backend != "ray" or p.rollout_pool != "colocated" or p.actor_workers == 1:
+        return None
+    from sealrl.placement import train_group
+    from sealrl.placement.workers import RayPool
+    train_group.start_ray(p, closers)
+    pool = RayPool(rollout_pool_spec(p), timeout_s=p.timeout_s)
+    closers.append(pool.close)
+    return pool
+
+
+def data_parallel_role(cfg: Config, role: str, make_worker, local, closers: list, pool=None):
     """placement.<role>_workers > 1: the actor or critic as that many data-parallel Ray actors
     in one process group, behind a facade with the worker's interface (placement/train_group.py).
     `local`, built from the same factory, stays here as the mirror of rank 0 for checkpoints."""
@@ -196,7 +212,7 @@ def data_parallel_role(cfg: Config, role: str, make_worker, local, closers: list
                     "critic": (train_group.CriticRank, train_group.CriticGroup)}[role]
     group = train_group.ray_train_group(role, functools.partial(rank, make_worker, cfg.run.seed),
                                         getattr(cfg.placement, f"{role}_workers"), local.model,
-                                        cfg.placement.timeout_s, closers)
+                                        cfg.placement.timeout_s, closers, pool if role == "actor" else None)
     return facade(group, local, cfg.placement.timeout_s)
 
 
@@ -211,26 +227,22 @@ def rollout_pool_spec(p):
                                      "num_cpus_per_worker": p.cpus_per_replica}})["rollout"]
 
 
-def ray_rollout_pool(cfg: Config, model, tokenizer, closers: list):
+def ray_rollout_pool(cfg: Config, model, tokenizer, closers: list, shared=None):
     """placement.backend=ray: `rollout_replicas` RolloutWorkers as Ray actors (standalone or
     colocated: rollout_pool_spec) behind a RolloutPool with the rollout role's interface, so
     the driver loop does not change. Weights reach them only through the two-phase,
     manifest-verified sync; requests are dispatched and joined by sample id; a replica whose
     process dies is replaced and synced to the active version before it serves."""
-    import functools
-
-    import ray
-
+    from sealrl.placement import train_group
     from sealrl.placement.rollout_pool import RolloutPool
-    from sealrl.placement.workers import RayPool, RayWorkerGroup, init_ray
+    from sealrl.placement.workers import RayPool, RayWorkerGroup
     p = cfg.placement
-    started = not ray.is_initialized()
-    if started:
-        init_ray(p.address or None, (p.num_cpus or None) if not p.address else None)
-        closers.append(ray.shutdown)
+    train_group.start_ray(p, closers)
     spec = rollout_pool_spec(p)
-    pool = RayPool(spec, timeout_s=p.timeout_s)
-    closers.append(pool.close)
+    pool = shared
+    if pool is None:
+        pool = RayPool(spec, timeout_s=p.timeout_s)
+        closers.append(pool.close)
     threads = max(1, int(p.cpus_per_replica / len(spec.roles)))
     group = RayWorkerGroup("rollout", functools.partial(RolloutWorker, model, tokenizer), pool,
                            timeout_s=p.timeout_s, threads=threads)
