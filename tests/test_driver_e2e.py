@@ -46,6 +46,14 @@ def test_run_folder_is_complete(tmp_path, tiny_model_dir, placement):
     table = pq.read_table(run / "experience" / "iter_000001.parquet")
     assert set(table.column("consumed_step").to_pylist()) == {2}
     assert set(table.column("extra.old_log_prob_mode").to_pylist()) == {"recompute"}
+    if placement == "ray":   # which replica served each trained sample, and with which version
+        served = [json.loads(x) for x in (run / "served.jsonl").read_text().splitlines()]
+        by_id = {sid: (row["version"], k) for row in served if row["iteration"] == 1
+                 for sid, k in row["replica_of"].items()}
+        assert all(by_id[s.sample_id][0] == s.policy_version for s in batch.samples)
+        assert {by_id[s.sample_id][1] for s in batch.samples} == {0, 1}
+    else:
+        assert not (run / "served.jsonl").exists()
     trace = json.loads((run / "trace.json").read_text())["traceEvents"]
     phases = [e["name"] for e in trace if e["ph"] == "i"]
     assert phases[:7] == ["EXPORTING", "ROLLOUT_LOADING", "ROLLOUT_READY", "GENERATING",

@@ -151,11 +151,18 @@ def run_iteration(it, cfg: Config, roles, data, sampler, kl_ctl, contract, sm: S
             return []
         return samples + samples if fault == "twice" else samples
 
+    served = getattr(roles.rollout, "served", None)  # a replica pool: who served which sample id
+    if served is not None:
+        served.clear()
     with sm.stage("generate", "rollout"):
         timed = from_stage_start(generate, time.perf_counter())  # completion times on the stage's clock
         groups = ledger.complete(timed(list(requests.values())), timed, requests)
         for attempt, samples in late:   # refused by key and attempt, counted
             ledger.deliver(samples, attempt)
+    if served:
+        with open(run_dir / "served.jsonl", "a") as f:
+            for call in served:
+                f.write(json.dumps({"iteration": it, **call}) + "\n")
     decode = lambda s: roles.tokenizer.decode(list(s.response_ids), skip_special_tokens=True)  # noqa: E731
     prompt_of = lambda g: by_id[ledger.groups[g].prompt_id]  # noqa: E731
     with sm.stage("reward", "reward"):

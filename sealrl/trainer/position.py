@@ -81,9 +81,9 @@ def restore_position(run_dir: Path, cfg: Config, roles, sampler, kl_ctl, data_ha
 
 def forget_after(run_dir: Path, iteration: int) -> None:
     """On resume from the checkpoint at `iteration`: drop what later iterations wrote before
-    the crash (metrics and ledger lines, experience files). They were never committed by a
+    the crash (metrics, ledger and served lines, experience files). They were never committed by a
     checkpoint and the resumed run writes them again."""
-    for name in ("metrics.jsonl", "ledger.jsonl"):
+    for name in ("metrics.jsonl", "ledger.jsonl", "served.jsonl"):
         path = run_dir / name
         if path.is_file():
             keep = [line for line in path.read_text().splitlines()
