@@ -35,9 +35,7 @@ import torch
 from sealrl.experience import ExperienceBatch, PolicyVersion, Role
 from sealrl.placement.data_parallel import ReplicaMismatchError, rank_seed, shard_batch, world
 from sealrl.placement.workers import WorkerGroup
-from sealrl.roles.actor import ActorWorker
 from sealrl.roles.common import batch_log_probs
-from sealrl.roles.critic import CriticWorker
 from sealrl.sync.manifest import WeightManifest, build_manifest, entries_digest, tensor_entry
 
 
@@ -174,12 +172,12 @@ class Replicas:
         self.group.close()
 
 
-class ActorGroup:
-    """The actor over N data-parallel ranks, with the ActorWorker interface the driver and
-    position.py use (export, compute_old_log_probs, update, snapshot, restore, step, attempt,
-    skipped_steps, model, optimizer)."""
+class _RoleGroup:
+    """What both facades share: the rank group with rank 0's mirror, the optimizer-step counter
+    (set on a checkpoint restore, which pushes the mirror's state to every rank), and the
+    mirror's model and optimizer, pulled from rank 0 when read."""
 
-    def __init__(self, group: WorkerGroup, local: ActorWorker, timeout_s: float | None = None) -> None:
+    def __init__(self, group: WorkerGroup, local, timeout_s: float | None = None) -> None:
         self.replicas = Replicas(group, local, timeout_s)
         self.local = local
 
@@ -187,7 +185,6 @@ class ActorGroup:
     def num_workers(self) -> int:
         return self.replicas.group.num_workers
 
-    # counters live in the mirror; the ranks' copies are set by update and by a restore
     @property
     def step(self) -> int:
         return self.local.step
@@ -198,6 +195,24 @@ class ActorGroup:
         self.local.step = value
         self.replicas.push({"step": value})
 
+    @property
+    def model(self):
+        return self.replicas.model()
+
+    @property
+    def optimizer(self):
+        return self.replicas.optimizer()
+
+    def close(self) -> None:
+        self.replicas.close()
+
+
+class ActorGroup(_RoleGroup):
+    """The actor over N data-parallel ranks, with the ActorWorker interface the driver and
+    position.py use (export, compute_old_log_probs, update, snapshot, restore, step, attempt,
+    skipped_steps, model, optimizer)."""
+
+    # counters live in the mirror; the ranks' copies are set by update and by a restore
     @property
     def skipped_steps(self) -> int:
         return self.local.skipped_steps
@@ -214,14 +229,6 @@ class ActorGroup:
     @attempt.setter
     def attempt(self, value: int) -> None:
         self.local.attempt = value
-
-    @property
-    def model(self):
-        return self.replicas.model()
-
-    @property
-    def optimizer(self):
-        return self.replicas.optimizer()
 
     def export(self) -> tuple[dict[str, torch.Tensor], WeightManifest]:
         """EXPORTING(v): rank 0's weights; every other rank's weights hash must equal theirs."""
@@ -257,43 +264,14 @@ class ActorGroup:
         self.replicas.changed()
         self.local.step, self.local.skipped_steps = snap["step"], snap["skipped"]
 
-    def close(self) -> None:
-        self.replicas.close()
 
-
-class CriticGroup:
+class CriticGroup(_RoleGroup):
     """The critic over N data-parallel ranks, with the CriticWorker interface (compute,
     update, snapshot, restore, step, version, model, optimizer)."""
-
-    def __init__(self, group: WorkerGroup, local: CriticWorker, timeout_s: float | None = None) -> None:
-        self.replicas = Replicas(group, local, timeout_s)
-        self.local = local
-
-    @property
-    def num_workers(self) -> int:
-        return self.replicas.group.num_workers
-
-    @property
-    def step(self) -> int:
-        return self.local.step
-
-    @step.setter
-    def step(self, value: int) -> None:
-        """Restoring a checkpoint: position.py has loaded `model` and `optimizer`; push them."""
-        self.local.step = value
-        self.replicas.push({"step": value})
 
     @property
     def version(self) -> str:
         return self.local.version
-
-    @property
-    def model(self):
-        return self.replicas.model()
-
-    @property
-    def optimizer(self):
-        return self.replicas.optimizer()
 
     def compute(self, batch: ExperienceBatch) -> None:
         """Values split by sample id over the ranks and joined by id."""
@@ -319,9 +297,6 @@ class CriticGroup:
         self.replicas.call("restore_snapshot")
         self.replicas.changed()
         self.local.step = snap["step"]
-
-    def close(self) -> None:
-        self.replicas.close()
 
 
 # ---- building on Ray -----------------------------------------------------------------------
