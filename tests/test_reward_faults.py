@@ -1,7 +1,8 @@
 """Reward faults through the driver: one reward call in five runs past the pool's deadline, and a
 batch scorer returns the wrong number of scores, NaN, inf or None. Each iteration ends in bounded
 time, the failures are stored as error/timeout records (never a score) and counted, training
-goes on to the end, the audit passes, and no scorer process is left behind.
+goes on to the end, the audit passes, and no scorer process is left behind, not even when a
+scorer hangs past the driver's stage watchdog.
 
 The scorers live at module level so pool workers can unpickle them; this module imports only
 light modules at the top, so a worker importing it stays fast (heavy ones inside the tests).
@@ -10,8 +11,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 import time
 import zlib
+from pathlib import Path
 
 from sealrl.rewards.base import RewardSample
 from sealrl.rewards.verifiers import ArithmeticExactMatch
@@ -55,6 +60,20 @@ class BadBatchScorer:
         scores = [self(s) for s in samples]
         short = any(s.sample_id.split("/")[1] == "1" and not s.sample_id.startswith("eval/") for s in samples)
         return scores[:-1] if short else scores
+
+
+class HangsOnIteration1:
+    """Never returns on iteration 1's training samples; writes its worker pid where the test looks."""
+
+    name = "hangs_on_iteration_1"
+    version = "1"
+
+    def __call__(self, sample: RewardSample) -> float:
+        if sample.sample_id.split("/")[1] == "1" and not sample.sample_id.startswith("eval/"):
+            with open(os.environ["HANG_PIDS"], "a") as f:
+                f.write(f"{os.getpid()}\n")
+            time.sleep(600)
+        return ArithmeticExactMatch()(sample)
 
 
 def _train(tmp_path, monkeypatch, scorer, *extra):
@@ -124,3 +143,32 @@ def test_wrong_length_nan_inf_none_become_error_records(tmp_path, monkeypatch):
         else:
             assert r["reward_status"] == "ok"
     _audit_ok(run)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:   # gone
+        return False
+
+
+def test_stage_watchdog_ends_a_hung_reward_stage_and_its_workers(tmp_path):
+    # The pool's own deadline (600 s) is longer than the stage's (10 s): the watchdog ends the run.
+    pids = tmp_path / "pids"
+    script = ("import sys; from sealrl.trainer import setup; from tests.test_reward_faults import ARGS, "
+              "HangsOnIteration1; setup.build_reward_fn = lambda cfg: HangsOnIteration1(); "
+              "from sealrl.trainer.config import build_config; from sealrl.trainer.driver import train; "
+              "train(build_config(None, ARGS + sys.argv[1:]))")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", script, f"run.output_dir={tmp_path}", "reward.num_workers=2",
+                          "reward.timeout_s=600", "run.stage_timeout_s=10"], cwd=Path(__file__).parent.parent,
+                         env=dict(os.environ, HANG_PIDS=str(pids)), capture_output=True, text=True, timeout=150)
+    assert time.monotonic() - t0 < 120   # an orphaned worker would hold the pipes open: TimeoutExpired
+    assert out.returncode == 4, out.stderr[-1500:]
+    assert "stage reward (role reward, worker pid " in out.stderr and "iteration 1," in out.stderr, out.stderr[-1500:]
+    hung = [int(x) for x in pids.read_text().split()]
+    assert len(hung) == 2                         # both workers were inside the scorer
+    deadline = time.monotonic() + 10
+    while any(_running(pid) for pid in hung) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_running(pid) for pid in hung)

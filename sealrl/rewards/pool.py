@@ -31,7 +31,7 @@ Not thread-safe: one driver thread calls `score`. The scorer must pickle by refe
 module-level class or function, importable with the driver's sys.path, which workers inherit).
 Workers are killed on close(), when the pool is garbage-collected, and at interpreter exit; if
 the driver is SIGKILLed, idle workers exit on the closed pipe but a hung one lives until its
-scorer returns.
+scorer returns (a driver ended by its stage watchdog kills its children first).
 """
 from __future__ import annotations
 

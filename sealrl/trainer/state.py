@@ -7,16 +7,18 @@ raises. Stages (timed spans inside a phase) go to `trace.json` in the Chrome tra
 Every stage runs under a deadline (`stage_timeout_s`, 0 = none): a watchdog thread armed when
 the stage starts and cancelled when it ends. A stage that hangs in this process cannot be
 pre-empted safely, so on expiry the watchdog writes the failure (stage, role, worker process,
-iteration, version) to stderr and to `failures.jsonl` in the run folder, then ends the process
-with exit status STAGE_TIMEOUT_EXIT: nothing after the last committed checkpoint is kept, and
-`resume=auto` continues from it exactly. Work in other processes has its own deadlines (reward
-pool, Ray calls); this one bounds the driver's own waits on top of them.
+iteration, version) to stderr and to `failures.jsonl` in the run folder, kills this process's
+children (reward workers, a local Ray) and ends the process with exit status
+STAGE_TIMEOUT_EXIT: nothing after the last committed checkpoint is kept, and `resume=auto`
+continues from it exactly. Work in other processes has its own deadlines (reward pool, Ray
+calls); this one bounds the driver's own waits on top of them.
 """
 from __future__ import annotations
 
 import enum
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -132,4 +134,15 @@ def _stage_timed_out(failure: dict, folder: Path | None) -> None:
                 out.flush()
                 os.fsync(out.fileno())
     finally:
-        os._exit(STAGE_TIMEOUT_EXIT)   # the hung main thread cannot be unwound; the OS frees all
+        _kill_children()              # e.g. a reward worker hung in its scorer: no orphan left
+        os._exit(STAGE_TIMEOUT_EXIT)   # the hung main thread cannot be unwound; the OS frees the rest
+
+
+def _kill_children() -> None:
+    """SIGKILL every direct child process (Linux /proc; elsewhere nothing is found)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                os.kill(int(stat.parent.name), signal.SIGKILL)
+        except (OSError, IndexError, ValueError):   # exited while we looked
+            continue
