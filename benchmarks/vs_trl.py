@@ -10,8 +10,9 @@ no bf16, no gradient checkpointing, the whole 128-sample batch in one forward/ba
 
 - sealrl: `train()` with the config below; per-iteration times are `time/iteration_s` of its
   metrics.jsonl (generation, reward, reference, old log-probs, update, weight sync, writing the
-  sealed experience). sealrl runs its default `algorithm.old_log_prob=recompute` (one extra
-  actor forward before the update) unless --old-log-prob bypass is given.
+  sealed experience). sealrl runs its default `algorithm.old_log_prob=recompute` unless
+  --old-log-prob bypass is given; with one update step over one micro-batch (this workload) its
+  recompute forward is the update's own forward, run once (sealrl.roles.actor), as in TRL.
 - TRL: `GRPOTrainer` given the model folder (it rebuilds the reference model from it);
   per-step times are on_step_begin -> on_step_end of a callback (generation, reward,
   reference, update). With num_iterations=1 TRL takes the old log-probs from the update's own
@@ -26,8 +27,10 @@ tokens of sample i, T = sum_i (P_i + R_i)):
 
     F = 2 N (sum_groups P + sum_i R_i)      generation (a prompt is prefilled once per group)
       + 2 N T                               reference log-probs
-      + 2 N T   if the side runs an old-log-prob forward (sealrl: yes, TRL: no)
       + 6 N T                               policy update (forward + backward)
+
+No side runs a separate old-log-prob forward here: with one update step over one micro-batch
+both take the old log-probs from the update's own forward.
 
 `useful_gflops` = F / median step time / 1e9, and `frac_of_matmul` = that / this machine's fp32
 matmul throughput at the same thread count (median of 15 1024x1024x1024 matmuls, measured before and after the
@@ -71,7 +74,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2,
                    help="fresh sealrl-then-TRL runs; their timed steps are pooled (spreads load drift)")
     p.add_argument("--old-log-prob", choices=("recompute", "bypass"), default="recompute",
-                   help="sealrl's algorithm.old_log_prob (recompute = its default, one extra forward)")
+                   help="sealrl's algorithm.old_log_prob (recompute = its default)")
     p.add_argument("--skip", choices=("sealrl", "trl"), default=None, help="run one side only")
     return p.parse_args()
 
@@ -92,11 +95,11 @@ def num_params() -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def step_flops(n: int, prompt_tokens: list[int], response_tokens: list[float], old_forward: bool) -> float:
+def step_flops(n: int, prompt_tokens: list[int], response_tokens: list[float]) -> float:
     """Useful FLOPs of one step (the formula of the module docstring); one list entry per sample."""
     total = sum(prompt_tokens) + sum(response_tokens)
     generation = sum(prompt_tokens) / N_GEN + sum(response_tokens)   # one prefill per group
-    return 2 * n * generation + 2 * n * total + (2 * n * total if old_forward else 0) + 6 * n * total
+    return 2 * n * generation + 2 * n * total + 6 * n * total
 
 
 # ---- sealrl -------------------------------------------------------------------------------
@@ -217,9 +220,9 @@ def pooled(results: list[dict]) -> dict:
     return out
 
 
-def summarise(result: dict, n: int, old_forward: bool, peak: float) -> dict:
+def summarise(result: dict, n: int, peak: float) -> dict:
     med = statistics.median(result["times"])
-    flops = statistics.mean(step_flops(n, p, r, old_forward)
+    flops = statistics.mean(step_flops(n, p, r)
                             for p, r in zip(result["prompt_tokens"], result["response_tokens"]))
     out = {"median_step_s": round(med, 4), "steps_timed": len(result["times"]),
            "completions_per_s": round(PROMPTS * N_GEN / med, 1),
@@ -252,11 +255,11 @@ def main() -> None:
     peak = max(peak, matmul_gflops())   # again after: the higher of the two (less disturbed) one
     report["matmul_gflops"] = round(peak, 1)
     if runs["sealrl"]:
-        report["sealrl"] = summarise(pooled(runs["sealrl"]), n, args.old_log_prob == "recompute", peak)
+        report["sealrl"] = summarise(pooled(runs["sealrl"]), n, peak)
     if runs["trl"]:
         import trl
         report["trl_version"] = trl.__version__
-        report["trl"] = summarise(pooled(runs["trl"]), n, False, peak)
+        report["trl"] = summarise(pooled(runs["trl"]), n, peak)
     if "sealrl" in report and "trl" in report:
         report["ratio"] = round(report["trl"]["median_step_s"] / report["sealrl"]["median_step_s"], 2)
     report["load_avg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
