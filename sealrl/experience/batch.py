@@ -226,9 +226,10 @@ def pad_token_rows(rows: Sequence[Sequence[float]], width: int, dtype: torch.dty
                    fill: float = 0) -> torch.Tensor:
     """Right-pad per-sample token lists into a (B, width) tensor."""
     out = torch.full((len(rows), width), fill, dtype=dtype)
-    for i, row in enumerate(rows):
-        if len(row):
-            out[i, : len(row)] = torch.as_tensor(list(row), dtype=dtype)
+    lengths = torch.tensor([len(row) for row in rows], dtype=torch.long)
+    flat = [v for row in rows for v in row]
+    if flat:  # row-major boolean indexing fills row 0's first len(row 0) slots, then row 1's, ...
+        out[torch.arange(width)[None, :] < lengths[:, None]] = torch.tensor(flat, dtype=dtype)
     return out
 
 

@@ -11,6 +11,7 @@ pyarrow.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -56,14 +57,16 @@ def to_table(batch: ExperienceBatch, consumed_step: int | None = None,
         "sampling": pa.array([batch.contract.to_json()] * len(s), pa.string()),
         "consumed_step": pa.array([consumed_step] * len(s), pa.int64()),
     }
-    lengths = [len(x.response_ids) for x in s]
+    # token fields: each row's first len(response) values, as one flat array with row offsets
+    mask = batch.token_mask()
+    offsets = pa.array([0, *itertools.accumulate(len(x.response_ids) for x in s)], pa.int32())
     for name in batch.field_names():
         spec, value = FIELDS[name], batch.get(name)
         if name == "reward_records":
             cols.update(_reward_columns(value))
         elif spec.align is Align.TOKEN:
-            rows = [value[i, :n].tolist() for i, n in enumerate(lengths)]
-            cols[name] = pa.array(rows, pa.list_(_TORCH_TO_ARROW[spec.dtype]))
+            flat = pa.array(value.detach().cpu()[mask].numpy(), _TORCH_TO_ARROW[spec.dtype])
+            cols[name] = pa.ListArray.from_arrays(offsets, flat)
         else:
             cols[name] = pa.array(value.tolist(), _TORCH_TO_ARROW[spec.dtype])
     for name, values in (extra or {}).items():

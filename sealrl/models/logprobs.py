@@ -64,12 +64,12 @@ def pad_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int 
     P = max(len(p) for p in prompts)
     R = max((len(r) for r in responses), default=0)
     B = len(prompts)
-    input_ids = torch.full((B, P + R), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, P + R), dtype=torch.long)
-    for b, (p, r) in enumerate(zip(prompts, responses)):
-        input_ids[b, P - len(p):P] = torch.tensor(p, dtype=torch.long)
-        input_ids[b, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
-        attention_mask[b, P - len(p):P + len(r)] = 1
+    input_ids = torch.tensor([[pad_id] * (P - len(p)) + list(p) + list(r) + [pad_id] * (R - len(r))
+                              for p, r in zip(prompts, responses)], dtype=torch.long).view(B, P + R)
+    columns = torch.arange(P + R)[None, :]
+    starts = torch.tensor([P - len(p) for p in prompts])[:, None]
+    ends = torch.tensor([P + len(r) for r in responses])[:, None]
+    attention_mask = ((columns >= starts) & (columns < ends)).long()
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # (B, P+R)
     response_mask = attention_mask[:, P:].float()  # (B, R)
     return PaddedBatch(input_ids.to(device), attention_mask.to(device), position_ids.to(device),
