@@ -163,7 +163,12 @@ def run_iteration(it, cfg: Config, roles, data, sampler, kl_ctl, contract, sm: S
         with open(run_dir / "served.jsonl", "a") as f:
             for call in served:
                 f.write(json.dumps({"iteration": it, **call}) + "\n")
-    decode = lambda s: roles.tokenizer.decode(list(s.response_ids), skip_special_tokens=True)  # noqa: E731
+    texts: dict[str, str] = {}   # sample id -> response text, decoded once for reward and record
+
+    def decode(s) -> str:
+        if s.sample_id not in texts:
+            texts[s.sample_id] = roles.tokenizer.decode(list(s.response_ids), skip_special_tokens=True)
+        return texts[s.sample_id]
     prompt_of = lambda g: by_id[ledger.groups[g].prompt_id]  # noqa: E731
     with sm.stage("reward", "reward"):
         items = {s.sample_id: (s, prompt_of(g).text, decode(s), prompt_of(g).ground_truth, prompt_of(g).data_source)
