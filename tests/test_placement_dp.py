@@ -1,5 +1,6 @@
 """Data-parallel layout equivalence: 1 process vs 2 gloo processes give the same gradient and
-the same update (<= 1e-6 fp32), and the loss normaliser is global across ranks."""
+the same update (<= 1e-6 fp32), and the loss normaliser is global across ranks; the roles'
+ranks (train_group) give the one-process results with both dp strategies (allreduce, fsdp2)."""
 from __future__ import annotations
 
 import copy
@@ -190,3 +191,92 @@ def test_one_process_step_without_a_process_group_is_plain_training():
     _, grads, _ = step(model, batch, norm)
     BACKWARD(manual, batch, norm)
     assert max_diff(grads, {n: p.grad for n, p in manual.named_parameters()}) == 0.0
+
+
+# ---- the data-parallel roles' ranks (train_group.ActorRank / CriticRank) on 1 vs 2 processes ----
+
+def role_sequence(strategy: str, distributed: bool) -> dict:
+    """Through the ranks' own methods: old log-probs and values of 7 samples (4 vs 3 rows per
+    rank, 1-row micro-batches: FSDP2 needs an idle forward on rank 1), a rolled-back update,
+    an update (3-row minibatches: 2 vs 1 rows, an idle backward), the full state gathered and
+    pushed into NEW ranks (a resume), one more update; a critic update. One process when not
+    `distributed` (the reference)."""
+    from sealrl.models.critic import CriticModel
+    from sealrl.placement.data_parallel import full_optimizer_state, full_state
+    from sealrl.placement.train_group import ActorRank, CriticRank
+    from sealrl.roles.actor import ActorWorker
+    from sealrl.roles.critic import CriticWorker
+    from sealrl.trainer.config import build_config
+    cfg = build_config(None, ["actor.micro_batch_size=1", "actor.mini_batch_size=3", "actor.lr=1e-3",
+                              "actor.adam_eps=1e-6", "critic.adam_eps=1e-6", "critic.lr=1e-3"])
+    def make_actor():   # every rank its own model, as every Ray actor unpickles its own
+        return ActorWorker(make_model(), cfg.actor, cfg.algorithm, "run", "tok", 1.0, 0, 10, HORIZON)
+
+    def make_critic():
+        with torch.random.fork_rng():
+            torch.manual_seed(5)   # the value head's init
+            return CriticWorker(CriticModel.from_causal_lm(make_model()), cfg.critic, 0, 3, "token-mean", HORIZON)
+
+    def ready(rank):
+        if distributed:
+            rank.setup()
+        return rank
+
+    batch = make_batch()
+    seven = batch.select_ids(sorted(batch.sample_ids)[:7])
+    out: dict = {}
+    actor = ready(ActorRank(make_actor, 0, strategy))
+    out["sharded"] = actor.sharded()
+    out["old"] = actor.old_log_probs(seven)
+    actor.keep_snapshot()
+    actor.update(batch, V0, 0, seed=1)
+    actor.restore_snapshot()
+    out["m1"] = actor.update(batch, V0, 0, seed=1)
+    out["w1"] = actor.weights()
+    model_state, optim_state = full_state(actor.worker.model.state_dict()), full_optimizer_state(actor.worker.optimizer)
+    resumed = ready(ActorRank(make_actor, 0, strategy))
+    resumed.load_state(model_state, optim_state, {"step": actor.worker.step})
+    out["m2"] = resumed.update(batch, V0, 1, seed=2)
+    out["w2"], out["state"] = resumed.weights(), resumed.state()
+    critic = ready(CriticRank(make_critic, 0, strategy))
+    out["values"] = critic.values(seven)
+    mask = batch.get("response_mask")
+    batch.put("values", (0.1 * batch.get("advantages")).masked_fill(~mask, 0.0), Role.CRITIC, "c")
+    batch.put("returns", batch.get("advantages").masked_fill(~mask, 0.0), Role.DRIVER, "test")
+    critic.keep_snapshot()
+    critic.update(batch)
+    critic.restore_snapshot()
+    out["cm"] = critic.update(batch)
+    out["wc"] = critic.weights()
+    return out
+
+
+def role_rank_main(rank: int, world_size: int, strategy: str) -> dict:
+    return role_sequence(strategy, distributed=True)
+
+
+@pytest.mark.parametrize("strategy", ("fsdp2", "allreduce"))
+def test_role_ranks_on_two_processes_give_the_one_process_results(strategy):
+    from sealrl.placement.train_group import join_rows
+    one = role_sequence(strategy, distributed=False)
+    r0, r1 = launch(role_rank_main, 2, strategy, timeout_s=180)
+    assert r0["sharded"] == r1["sharded"] == (strategy == "fsdp2") and not one["sharded"]
+    assert isinstance(r1["w1"], str) and r1["state"] is None       # rank 0 ships, the others only gather
+    seven = make_batch().select_ids(sorted(make_batch().sample_ids)[:7])
+    assert [len(r0["old"][0]), len(r1["old"][0])] == [4, 3]
+    assert torch.allclose(join_rows(seven, [r0["old"], r1["old"]]), one["old"][1], atol=1e-6, rtol=0)
+    for k in (1, 2):
+        assert max_diff(r0[f"w{k}"], one[f"w{k}"]) <= 1e-6
+        assert r0[f"m{k}"][1] == one[f"m{k}"][1]                        # step counters
+        assert r0[f"m{k}"][0]["actor/pg_loss"] == pytest.approx(one[f"m{k}"][0]["actor/pg_loss"], abs=1e-6)
+        assert r0[f"m{k}"][0]["actor/grad_norm"] == pytest.approx(one[f"m{k}"][0]["actor/grad_norm"], rel=1e-5)
+    assert max_diff(r0["w1"], one["w1"]) + max_diff(r0["w2"], r0["w1"]) > 0   # the updates move the weights
+    model_state, optim_state = r0["state"]
+    assert max_diff(model_state, one["state"][0]) <= 1e-6
+    for i, s in one["state"][1]["state"].items():                        # full Adam moments gathered
+        assert max_diff({k: v for k, v in optim_state["state"][i].items()}, s) <= 1e-6
+    for part in (1, 2):   # values and last values, joined by id
+        joined = join_rows(seven, [(r0["values"][0], r0["values"][part]), (r1["values"][0], r1["values"][part])])
+        assert torch.allclose(joined, one["values"][part], atol=1e-6, rtol=0)
+    assert max_diff(r0["wc"], one["wc"]) <= 1e-6
+    assert r0["cm"][0]["critic/value_loss"] == pytest.approx(one["cm"][0]["critic/value_loss"], abs=1e-6)

@@ -1,9 +1,11 @@
 """Data-parallel actor and critic wired into the driver (placement.actor_workers /
 critic_workers = 2, Ray, gloo): the unchanged driver gives the same updated weights as the
-in-process run (<= 1e-6, fp32), through a checkpoint and a resume too. Adam's step divides by
-sqrt(v) + eps, so fp32 sum-order differences (2 ranks add the gradient in another order) are
-compared after 1-2 steps with adam_eps 1e-6 and lr 1e-4, as in test_reference_iteration.py.
-One Ray session for the module (start-up costs seconds)."""
+in-process run (<= 1e-6, fp32), through a rollback, a checkpoint and a resume too, with both
+placement.dp_strategy values (fsdp2: sharded ranks; allreduce: replicated ranks). Adam's step
+divides by sqrt(v) + eps, so fp32 sum-order differences (2 ranks add the gradient in another
+order) are compared after 1-2 steps with adam_eps 1e-6 and lr 1e-4, as in
+test_reference_iteration.py. One Ray session for the module (start-up costs seconds); the
+in-process runs both strategies are compared with run once for the module."""
 from __future__ import annotations
 
 import copy
@@ -28,6 +30,8 @@ ARGS = ["run.progress=false", "run.checkpoint_every=1", "data.num_train=64", "ev
 # 12 samples: 3 micro-batches in one process, 2 per rank (6 rows each) on two
 DP = ["placement.backend=ray", "placement.rollout_replicas=1", "placement.cpus_per_replica=1",
       "placement.timeout_s=180"]
+STRATEGIES = ("fsdp2", "allreduce")
+PPO = ["algorithm.name=ppo", "run.iterations=1", "critic.lr=3e-4"]
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +46,16 @@ def ray_session():
 def run(tmp_path, name, *extra):
     train(build_config(None, [*ARGS, f"run.output_dir={tmp_path}", f"run.name={name}", *extra]))
     return tmp_path / name
+
+
+@pytest.fixture(scope="module")
+def local_grpo(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("grpo"), "local", "algorithm.name=grpo", "run.iterations=2")
+
+
+@pytest.fixture(scope="module")
+def local_ppo(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("ppo"), "local", *PPO)
 
 
 def assert_same_weights(a, b, part, step, tol=1e-6):
@@ -100,17 +114,18 @@ def test_actor_group_of_one_in_process_rank_is_the_plain_actor():
     assert rank.step == 0 and max_diff(weights(rank.model), weights(make_model())) == 0.0
 
 
-def test_grpo_two_actor_ranks_give_the_one_process_update_through_a_resume(tmp_path, ray_session, monkeypatch):
-    local = run(tmp_path, "local", "algorithm.name=grpo", "run.iterations=2")
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_grpo_two_actor_ranks_give_the_one_process_update_through_a_resume(tmp_path, ray_session, monkeypatch,
+                                                                           local_grpo, strategy):
+    local, dp_args = local_grpo, ["placement.actor_workers=2", f"placement.dp_strategy={strategy}", *DP]
     monkeypatch.setenv("SEALRL_FAULTS", "actor_update@0:raise")   # every rank restores its snapshot, then retries
     monkeypatch.setattr(faults, "_fired", set())                   # entries fire once per process
-    dp = run(tmp_path, "dp", "algorithm.name=grpo", "run.iterations=1", "placement.actor_workers=2", *DP)
+    dp = run(tmp_path, "dp", "algorithm.name=grpo", "run.iterations=1", *dp_args)
     monkeypatch.delenv("SEALRL_FAULTS")
     assert metrics(dp)[0]["update/attempts"] == 2
     assert_same_weights(local, dp, "actor_model", 1)
     # resumed: restore_position pushes the checkpoint to both ranks; the second update matches
-    run(tmp_path, "dp", "algorithm.name=grpo", "run.iterations=2", "run.resume=auto",
-        "placement.actor_workers=2", *DP)
+    run(tmp_path, "dp", "algorithm.name=grpo", "run.iterations=2", "run.resume=auto", *dp_args)
     assert_same_weights(local, dp, "actor_model", 2)
     a, b = experience(local, 1), experience(dp, 1)
     assert [s.response_ids for s in a.samples] == [s.response_ids for s in b.samples]  # same experience
@@ -124,10 +139,11 @@ def test_grpo_two_actor_ranks_give_the_one_process_update_through_a_resume(tmp_p
     assert max(float((w0[n] - w2[n]).abs().max()) for n in w0) > 1e-5   # the updates are not trivially 0
 
 
-def test_ppo_two_actor_and_two_critic_ranks_give_the_one_process_update(tmp_path, ray_session):
-    extra = ["algorithm.name=ppo", "run.iterations=1", "critic.lr=3e-4"]
-    local = run(tmp_path, "local", *extra)
-    dp = run(tmp_path, "dp", *extra, "placement.actor_workers=2", "placement.critic_workers=2", *DP)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_ppo_two_actor_and_two_critic_ranks_give_the_one_process_update(tmp_path, ray_session, local_ppo, strategy):
+    local = local_ppo
+    dp = run(tmp_path, "dp", *PPO, "placement.actor_workers=2", "placement.critic_workers=2",
+             f"placement.dp_strategy={strategy}", *DP)
     assert_same_weights(local, dp, "actor_model", 1)
     assert_same_weights(local, dp, "critic_model", 1)
     a, b = experience(local, 0), experience(dp, 0)
@@ -153,6 +169,7 @@ def test_colocated_actor_ranks_share_the_rollout_replicas_bundles(tmp_path, ray_
         pool = roles.actor.replicas.group._pool
         assert pool is roles.rollout.group._pool and pool.spec.roles == ("actor", "rollout")
         assert pool.spec.num_workers == 2
+        assert roles.actor.replicas.call("sharded") == [True, True]   # placement.dp_strategy=fsdp2 by default
     finally:
         roles.close()
     local = run(tmp_path, "local", "algorithm.name=grpo", "run.iterations=1")

@@ -22,12 +22,17 @@ One optimizer step on N ranks must equal the same step on one process (DESIGN se
    seed; the minibatch order is NOT per-rank: it is drawn on the whole batch from the shared
    seed, then each minibatch is sharded by id.
 
-FSDP2 (`fsdp2_shard`, torch.distributed.fsdp.fully_shard): parameters become DTensors sharded
-over ranks and FSDP reduce-scatters gradients in backward itself, AVERAGING them; the step then
-multiplies the sharded gradients by the world size to get the SUM (exact: a power-of-two world
-divides and multiplies exactly; otherwise within rounding). `set_gradient_divide_factor(1.0)`
-would avoid that but needs ReduceOp.PREMUL_SUM, which gloo lacks (torch 2.13). Works on CPU with
-gloo; the same code runs with nccl on GPUs.
+FSDP2 (`fsdp2_shard`, torch.distributed.fsdp.fully_shard; `placement.dp_strategy=fsdp2`):
+parameters become DTensors sharded over ranks and FSDP reduce-scatters gradients in backward
+itself, AVERAGING them; `sum_grads` then multiplies the sharded gradients by the world size to
+get the SUM (exact: a power-of-two world divides and multiplies exactly; otherwise within
+rounding). `set_gradient_divide_factor(1.0)` would avoid that but needs ReduceOp.PREMUL_SUM,
+which gloo lacks (torch 2.13). Every forward all-gathers and every backward reduce-scatters, so
+every rank must run the SAME number of micro-batch passes: a rank with fewer rows adds idle
+passes (`idle_passes`: one row, loss x 0, zero gradient). Full tensors for export, checkpoints
+and resume are gathered / cut with `full_state`, `full_optimizer_state`, `load_full_state`,
+`load_full_optimizer_state` (collectives when sharded: every rank calls them, in one order);
+rollback snapshots stay sharded. Works on CPU with gloo; the same code runs with nccl on GPUs.
 
 `launch` runs a function on N local processes (tests, single-machine runs).
 """
@@ -135,20 +140,127 @@ def all_reduce_grads(params: list[torch.nn.Parameter]) -> None:
         offset += n
 
 
-def fsdp2_shard(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> torch.nn.Module:
-    """FSDP2 over all ranks: each block (e.g. `model.model.layers`) is one unit, then the root."""
+def fsdp2_available() -> bool:
+    """Whether this torch has FSDP2 (fully_shard) and DTensor; else the roles all-reduce."""
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+        from torch.distributed.tensor import DTensor  # noqa: F401
+    except ImportError:
+        return False
+    return dist.is_available()
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of a (wrapped) HF model: the first ModuleList named layers/h/blocks."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "h", "blocks"):
+            return list(module)
+    raise ValueError(f"{type(model).__name__}: no decoder layers (a ModuleList named layers, h or blocks)")
+
+
+def fsdp2_shard(model: torch.nn.Module, blocks: list[torch.nn.Module],
+                forward_methods: tuple[str, ...] = ()) -> torch.nn.Module:
+    """FSDP2 over all ranks: each block (e.g. `model.model.layers`) is one unit, then the root.
+    `forward_methods`: methods other than forward called on the root (e.g. a critic's
+    `values`), which must gather the root's parameters as forward does."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
     mesh = init_device_mesh(_device().type, (world()[1],))
     for block in blocks:
         fully_shard(block, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for name in forward_methods:
+        register_fsdp_forward_method(model, name)
+    return model
+
+
+def _is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor: nothing is sharded
+        return False
+    return isinstance(t, DTensor)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return any(_is_dtensor(p) for p in model.parameters())
+
+
+def idle_passes(model: torch.nn.Module, sample_ids: list[str], micro_batch_size: int) -> int:
+    """Micro-batch passes this rank adds so that it runs as many as the rank with the most rows
+    of `sample_ids` (split as own_rows / shard_batch split them): FSDP2 gathers parameters in
+    every forward and reduce-scatters in every backward, collectives every rank must join.
+    0 when the model is not sharded."""
+    rank, size = world()
+    if size == 1 or not is_sharded(model):
+        return 0
+    parts = split_ids(sample_ids, size)
+    passes = [-(-len(part) // micro_batch_size) for part in parts]
+    return max(passes) - passes[rank]
+
+
+def sum_grads(params: list[torch.nn.Parameter]) -> None:
+    """The SUM of the ranks' gradients on every rank: FSDP2 (DTensor parameters) has already
+    reduce-scattered them with AVG in backward, so multiply by the world size; otherwise one
+    all-reduce (`all_reduce_grads`). No-op on one process."""
+    params = [p for p in params if p.requires_grad]
+    if any(_is_dtensor(p) for p in params):
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(world()[1])
+    else:
+        all_reduce_grads(params)
+
+
+def clip_grad_norm(params, max_norm: float) -> float:
+    """clip_grad_norm_ (max_norm <= 0: no clipping) on plain or DTensor gradients; the norm of
+    the whole (global) gradient, the same float on every rank."""
+    total = torch.nn.utils.clip_grad_norm_(list(params), max_norm if max_norm > 0 else float("inf"))
+    return float(_full(total))
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a sharded DTensor (a collective: every rank must call it)."""
-    from torch.distributed.tensor import DTensor
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if _is_dtensor(t) else t
+
+
+def full_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A model state dict with every DTensor gathered whole, detached, on the CPU (a collective
+    when sharded: every rank calls it, in the same key order)."""
+    return {name: _full(t).detach().cpu() for name, t in state.items()}
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    """optimizer.state_dict() with DTensor state (moments of sharded parameters) gathered whole
+    (a collective when sharded: keys are visited in sorted order on every rank)."""
+    sd = optimizer.state_dict()
+    state = {i: {k: _full(v).detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in sorted(s.items())}
+             for i, s in sorted(sd["state"].items())}
+    return {"state": state, "param_groups": sd["param_groups"]}
+
+
+def _shard_like(full: torch.Tensor, ref):
+    """`full` cut like the DTensor `ref` (this rank's chunk, cut locally: every rank holds the
+    same full tensor, so nothing is sent); `full` itself when `ref` is not a DTensor."""
+    if not _is_dtensor(ref) or _is_dtensor(full):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(full.detach().to(ref.device), ref.device_mesh, ref.placements, src_data_rank=None)
+
+
+def load_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load full tensors (a checkpoint, the driver's mirror) into a plain or sharded model."""
+    own = model.state_dict()
+    model.load_state_dict({name: _shard_like(t, own.get(name)) for name, t in state.items()}, strict=True)
+
+
+def load_full_optimizer_state(optimizer: torch.optim.Optimizer, sd: dict) -> None:
+    """Load a full optimizer state dict (full_optimizer_state's form); the moments of a sharded
+    parameter are cut like it. State key i is the i-th parameter over the param groups."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {i: {k: _shard_like(v, params[int(i)]) if isinstance(v, torch.Tensor) and v.dim() else v
+                 for k, v in s.items()} for i, s in sd["state"].items()}
+    optimizer.load_state_dict({**sd, "state": state})
 
 
 def weights_checksum(model: torch.nn.Module) -> str:
@@ -212,23 +324,17 @@ def data_parallel_step(model, optimizer, shard: ExperienceBatch, norm: algos.Los
     SUM all-reduce of gradients, clip on the global gradient, step. Every rank calls it with
     the same normaliser; it waits for all ranks in the all-reduce. Returns this rank's loss
     share (sum over ranks = global loss) and the global gradient norm."""
-    from torch.distributed.tensor import DTensor
     optimizer.zero_grad(set_to_none=True)
     params = [p for p in model.parameters() if p.requires_grad]
-    fsdp = any(isinstance(p, DTensor) for p in params)
+    fsdp = any(_is_dtensor(p) for p in params)
     if fsdp and not len(shard):  # FSDP2 reduces inside backward: every rank must run one
         raise ValueError("FSDP2 step with an empty shard: use at most as many ranks as samples")
     stats = backward(model, shard, norm) if len(shard) else {}
-    if fsdp:  # reduce-scattered with AVG in backward: back to the SUM of shares
-        for p in params:
-            p.grad.mul_(world()[1])
-    else:
-        all_reduce_grads(params)
+    sum_grads(params)  # FSDP2: reduce-scattered with AVG in backward, back to the SUM of shares
     for p in params:  # one process with an empty batch: no grads at all
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    total = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-    grad_norm = float(_full(total))
+    grad_norm = clip_grad_norm(params, grad_clip)
     if math.isfinite(grad_norm):  # same gradient on every rank: all skip or all step
         optimizer.step()
     return {**stats, "grad_norm": grad_norm}

@@ -7,23 +7,31 @@ Each rank hosts an ordinary ActorWorker (CriticWorker). Every rank receives the 
 shared seed, the same normaliser counted on the whole minibatch (global by construction), then
 in every optimizer step it keeps only its rows, a contiguous range of the minibatch's sorted
 sample ids (`data_parallel.own_rows`). Its loss is its share of the global loss; gradients and
-metric shares are SUMMED over ranks (`all_reduce_grads`, `all_reduce_sums`), so clip and AdamW
-see the one-process gradient on every rank and the replicas stay identical. Per-rank torch
-seeds are derived (`rank_seed`), never random.
+metric shares are SUMMED over ranks (`sum_grads`, `all_reduce_sums`), so clip and AdamW see the
+one-process gradient on every rank. Per-rank torch seeds are derived (`rank_seed`), never random.
+
+`placement.dp_strategy`: `fsdp2` (default) shards each rank's decoder layers and root with
+FSDP2 (`fully_shard`) right after the group is joined, then makes the optimizer again over the
+sharded (DTensor) parameters; FSDP reduce-scatters the gradients in backward and every rank
+steps on its shard of the weights and moments. `allreduce` keeps a full replica per rank and
+sums the gradients in one flat all-reduce. Without FSDP2 in this torch, `fsdp2` falls back to
+`allreduce` (logged).
 
 Forward-only work is split, not repeated: old log-probs (recompute mode) and critic values are
 computed on each rank's shard of sorted ids and joined by sample id on the driver.
 
 The driver keeps a local copy of the role (`local`), built from the same arguments: it mirrors
-rank 0 for checkpoints and `save_causal_lm`. It is pulled from rank 0 lazily after an update
+the ranks' full state for checkpoints and `save_causal_lm`. It is pulled lazily after an update
 (`model`, `optimizer`), and pushed to every rank when a checkpoint is restored into it:
 position.restore_position loads `model` and `optimizer`, then sets `step`, and setting `step`
-is the push. `export()` takes rank 0's weights, checks every other rank's weights hash against
-them (ReplicaMismatchError names the rank) and builds the manifest on the driver.
+is the push. `export()` takes rank 0's full weights, checks every other rank's weights hash
+against them (ReplicaMismatchError names the rank) and builds the manifest on the driver.
+Pull, export and push go to EVERY rank: with fsdp2, gathering full tensors (and cutting them
+back into shards) is a collective; only rank 0 ships what it gathered. FSDP2 also gathers in
+every forward, so the forward-only calls (old log-probs, values) run as many micro-batches on
+every rank (`data_parallel.idle_passes`). Rollback snapshots stay inside each rank (sharded).
 
 Process group: gloo (the roles train on CPU today); nccl when the role's model is on CUDA.
-FSDP2 (`data_parallel.fsdp2_shard`) is not used here: a sharded model's state dict is DTensors,
-which export, snapshots and checkpoints would first have to gather.
 """
 from __future__ import annotations
 
@@ -33,7 +41,11 @@ from typing import Any
 import torch
 
 from sealrl.experience import ExperienceBatch, PolicyVersion, Role
-from sealrl.placement.data_parallel import ReplicaMismatchError, rank_seed, shard_batch, world
+from sealrl.models.logprobs import response_log_probs
+from sealrl.placement.data_parallel import (ReplicaMismatchError, decoder_layers, fsdp2_available, fsdp2_shard,
+                                            full_optimizer_state, full_state, idle_passes, is_sharded,
+                                            load_full_optimizer_state, load_full_state, rank_seed, shard_batch,
+                                            world)
 from sealrl.placement.workers import WorkerGroup
 from sealrl.roles.common import batch_log_probs
 from sealrl.sync.manifest import WeightManifest, build_manifest, entries_digest, tensor_entry
@@ -45,32 +57,54 @@ class TrainRank:
     """One data-parallel rank of a trainable role (hosted by workers._RoleHost). The process
     group is joined after construction (RayWorkerGroup.init_process_group), then `setup`."""
 
-    def __init__(self, make_worker: Callable[[], Any], run_seed: int) -> None:
+    forward_methods: tuple[str, ...] = ()   # root methods that run a forward besides `forward`
+
+    def __init__(self, make_worker: Callable[[], Any], run_seed: int, dp_strategy: str = "allreduce") -> None:
         self.worker = make_worker()
-        self.run_seed = run_seed
+        self.run_seed, self.dp_strategy = run_seed, dp_strategy
         self._snapshot: dict | None = None
 
     def setup(self) -> int:
-        """After joining the group: this rank's derived seed, deterministic kernels."""
-        rank, _ = world()
+        """After joining the group: this rank's derived seed, deterministic kernels; with fsdp2,
+        the model sharded (decoder layers, then the root) and the optimizer made again over the
+        sharded parameters (it held the replaced ones)."""
+        rank, size = world()
         torch.manual_seed(rank_seed(self.run_seed, rank))
         torch.use_deterministic_algorithms(True, warn_only=True)
+        if self.dp_strategy == "fsdp2" and size > 1 and not fsdp2_available():
+            import logging
+            logging.getLogger(__name__).warning("FSDP2 is not available in this torch: placement.dp_strategy="
+                                                "allreduce is used instead")
+            self.dp_strategy = "allreduce"
+        if self.dp_strategy == "fsdp2" and size > 1:
+            model = self.worker.model
+            fsdp2_shard(model, decoder_layers(model), self.forward_methods)
+            self.worker.optimizer = self.worker.make_optimizer()
         return rank
 
+    def sharded(self) -> bool:
+        """Whether this rank's model is sharded (FSDP2 DTensor parameters)."""
+        return is_sharded(self.worker.model)
+
     def weights(self) -> dict[str, torch.Tensor] | str:
-        """Rank 0: a detached CPU copy of its weights; every other rank: its weights hash."""
-        state = {k: v.detach().cpu().clone() for k, v in self.worker.model.state_dict().items()}
+        """Rank 0: a detached CPU copy of its full weights; every other rank: their hash.
+        Every rank takes part (gathering sharded weights is a collective)."""
+        state = {k: v.clone() for k, v in full_state(self.worker.model.state_dict()).items()}
         if world()[0] == 0:
             return state
         return entries_digest({name: tensor_entry(t) for name, t in state.items()})
 
-    def state(self) -> tuple[dict, dict]:
-        """(model state, optimizer state) for the driver's mirror."""
-        return self.worker.model.state_dict(), self.worker.optimizer.state_dict()
+    def state(self) -> tuple[dict, dict] | None:
+        """(model state, optimizer state), full tensors, for the driver's mirror: rank 0's;
+        None on the others, which take part in gathering the shards."""
+        w = self.worker
+        model_state, optim_state = full_state(w.model.state_dict()), full_optimizer_state(w.optimizer)
+        return (model_state, optim_state) if world()[0] == 0 else None
 
     def load_state(self, model_state: dict, optim_state: dict, counters: dict[str, int]) -> None:
-        self.worker.model.load_state_dict(model_state, strict=True)
-        self.worker.optimizer.load_state_dict(optim_state)
+        """Full model and optimizer state (the mirror's), cut into this rank's shards if sharded."""
+        load_full_state(self.worker.model, model_state)
+        load_full_optimizer_state(self.worker.optimizer, optim_state)
         self.set_counters(counters)
 
     def set_counters(self, counters: dict[str, int]) -> None:
@@ -91,6 +125,11 @@ class ActorRank(TrainRank):
         shard, w = shard_batch(batch, *world()), self.worker
         w.model.eval()
         lp, _ = batch_log_probs(w.model, shard, w.temperature, w.pad_id, w.cfg.micro_batch_size)
+        with torch.no_grad():   # FSDP2: as many forwards as the rank with the most rows
+            for _ in range(idle_passes(w.model, batch.sample_ids, w.cfg.micro_batch_size)):
+                first = batch.samples[0]
+                response_log_probs(w.model, [list(first.prompt_ids)], [list(first.response_ids)],
+                                   temperature=w.temperature, pad_id=w.pad_id)
         return shard.sample_ids, lp
 
     def update(self, batch: ExperienceBatch, version: PolicyVersion, iteration: int, seed: int):
@@ -99,10 +138,19 @@ class ActorRank(TrainRank):
 
 
 class CriticRank(TrainRank):
+    forward_methods = ("values",)
+
     def values(self, batch: ExperienceBatch) -> tuple[list[str], torch.Tensor, torch.Tensor]:
         """(sample ids, (b, R) values, (b,) last values) of this rank's shard."""
-        shard = shard_batch(batch, *world())
-        self.worker.compute(shard)
+        shard, w = shard_batch(batch, *world()), self.worker
+        if len(shard):   # an empty shard (more ranks than samples) has no rows to return
+            w.compute(shard)
+        with torch.no_grad():   # FSDP2: as many forwards as the rank with the most rows
+            for _ in range(idle_passes(w.model, batch.sample_ids, w.micro)):
+                w.model.values([list(batch.samples[0].prompt_ids)], [list(batch.samples[0].response_ids)],
+                               pad_id=w.pad_id)
+        if not len(shard):
+            return [], torch.zeros(0, batch.num_response_tokens), torch.zeros(0)
         return shard.sample_ids, shard.get("values"), shard.get("last_values")
 
     def update(self, batch: ExperienceBatch):
@@ -152,7 +200,8 @@ class Replicas:
         return self.local.optimizer
 
     def pull(self) -> None:
-        model_state, optim_state = self.group.map_shards("state", {0: ()}, timeout_s=self.timeout_s)[0]
+        """The ranks' full state into the mirror: every rank gathers (fsdp2), rank 0 ships it."""
+        model_state, optim_state = self.call("state")[0]
         self.local.model.load_state_dict(model_state, strict=True)
         self.local.optimizer.load_state_dict(optim_state)
         self.model_stale = self.optim_stale = False

@@ -11,7 +11,7 @@ from sealrl import algos, faults
 from sealrl.experience import ExperienceBatch, PolicyVersion, Role
 from sealrl.models.hf import model_config_hash
 from sealrl.models.logprobs import response_log_probs
-from sealrl.placement.data_parallel import all_reduce_grads, all_reduce_sums, own_rows, world
+from sealrl.placement.data_parallel import all_reduce_sums, clip_grad_norm, idle_passes, own_rows, sum_grads, world
 from sealrl.roles.common import batch_log_probs, clone_state, pad_width
 from sealrl.sync.manifest import WeightManifest, build_manifest
 
@@ -40,8 +40,7 @@ class ActorWorker:
         self.run_id, self.tokenizer_hash = run_id, tokenizer_hash
         self.temperature, self.pad_id, self.total_steps, self.horizon = temperature, pad_id, total_steps, horizon
         self.config_hash = model_config_hash(model.config)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
-                                           eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+        self.optimizer = self.make_optimizer()
         self.step = 0           # committed optimizer steps
         self.attempt = 0        # tries of the current update (a rolled-back update retries)
         self.skipped_steps = 0  # optimizer steps skipped for a non-finite gradient
@@ -49,6 +48,12 @@ class ActorWorker:
         self._kept = None       # (batch, version id, log-probs, entropy) of a fused old forward
         self._has_dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()) \
             or any(getattr(model.config, k, 0) for k in ("attention_dropout", "hidden_dropout", "dropout"))
+
+    def make_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW over the model's parameters (made again after FSDP2 replaces them with DTensors)."""
+        cfg = self.cfg
+        return torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
+                                 weight_decay=cfg.weight_decay)
 
     # ---- versions and export ------------------------------------------------------------
     def export(self) -> tuple[dict[str, torch.Tensor], WeightManifest]:
@@ -167,12 +172,15 @@ class ActorWorker:
             share = float(m.sum()) / max(1.0, float(mask[idx].sum()))
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + float(v) * share
+        # FSDP2: as many passes as the rank with the most rows (collectives); these add nothing
+        for _ in range(idle_passes(self.model, [batch.samples[i].sample_id for i in idx.tolist()],
+                                   cfg.micro_batch_size)):
+            (self._forward(batch, idx[:1])[0].sum() * 0.0).backward()
         # Data-parallel (no-ops on one process): the ranks' losses are shares of one loss, so
         # gradients and metric shares are SUMMED; clip and step then match on every rank.
         totals = all_reduce_sums(totals)
-        all_reduce_grads(list(self.model.parameters()))
-        clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        sum_grads(list(self.model.parameters()))
+        grad_norm = clip_grad_norm(self.model.parameters(), cfg.grad_clip)
         faults.point("before_optimizer_step", self.iteration)
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)

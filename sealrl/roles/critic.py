@@ -11,7 +11,7 @@ import torch
 from sealrl import algos
 from sealrl.experience import ExperienceBatch, Role
 from sealrl.models.critic import CriticModel
-from sealrl.placement.data_parallel import all_reduce_grads, all_reduce_sums, own_rows
+from sealrl.placement.data_parallel import all_reduce_sums, clip_grad_norm, idle_passes, own_rows, sum_grads
 from sealrl.roles.actor import lr_at
 from sealrl.roles.common import pad_width
 
@@ -24,9 +24,13 @@ class CriticWorker:
                  loss_agg: str, horizon: int):
         self.model, self.cfg, self.pad_id = model, cfg, pad_id
         self.micro, self.loss_agg, self.horizon = micro_batch_size, loss_agg, horizon
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, eps=cfg.adam_eps,
-                                           weight_decay=cfg.weight_decay)
+        self.optimizer = self.make_optimizer()
         self.step = 0
+
+    def make_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW over the model's parameters (made again after FSDP2 replaces them with DTensors)."""
+        return torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, eps=self.cfg.adam_eps,
+                                 weight_decay=self.cfg.weight_decay)
 
     @property
     def version(self) -> str:
@@ -77,12 +81,14 @@ class CriticWorker:
             loss.backward()
             total += float(loss.detach())
             clip_frac += float(metrics.get("value_clip_frac", 0.0)) * float(mask[sl].sum()) / max(1.0, float(mask.sum()))
+        # FSDP2: as many passes as the rank with the most rows (collectives); these add nothing
+        for _ in range(idle_passes(self.model, batch.sample_ids, self.micro)):
+            (self._values(batch.samples[:1])[0].sum() * 0.0).backward()
         # Data-parallel (no-ops on one process): losses are shares of one loss, so SUM.
         sums = all_reduce_sums({"value_loss": total, "clip_frac": clip_frac})
         total, clip_frac = sums["value_loss"], sums["clip_frac"]
-        all_reduce_grads(list(self.model.parameters()))
-        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        sum_grads(list(self.model.parameters()))
+        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.grad_clip)
         if math.isfinite(grad_norm):
             lr = lr_at(self.step, self.cfg.lr, self.cfg.warmup_steps, "constant", 0, 0.0)
             for g in self.optimizer.param_groups:

@@ -221,6 +221,7 @@ class PlacementConfig:
     timeout_s: float = 300.0               # deadline of every remote call
     actor_workers: int = 1                 # data-parallel actor ranks (> 1: Ray actors in one gloo/nccl group)
     critic_workers: int = 1                # data-parallel critic ranks (PPO; > 1 as for the actor)
+    dp_strategy: str = "fsdp2"             # data-parallel ranks: fsdp2 (sharded; allreduce without FSDP2) | allreduce
 
     def __post_init__(self):
         _check(self.backend in ("local", "ray"), "placement.backend", "local or ray", self.backend)
@@ -228,6 +229,8 @@ class PlacementConfig:
             n = getattr(self, key)
             _check(n >= 1, f"placement.{key}", ">= 1", n)
             _check(n == 1 or self.backend == "ray", f"placement.{key}", "1 unless placement.backend=ray", n)
+        _check(self.dp_strategy in ("fsdp2", "allreduce"), "placement.dp_strategy", "fsdp2 or allreduce",
+               self.dp_strategy)
         _check(self.rollout_replicas >= 1, "placement.rollout_replicas", ">= 1", self.rollout_replicas)
         _check(self.rollout_pool in ("standalone", "colocated"), "placement.rollout_pool",
                "standalone or colocated", self.rollout_pool)

@@ -205,12 +205,14 @@ def shared_pool(cfg: Config, closers: list):
 def data_parallel_role(cfg: Config, role: str, make_worker, local, closers: list, pool=None):
     """placement.<role>_workers > 1: the actor or critic as that many data-parallel Ray actors
     in one process group, behind a facade with the worker's interface (placement/train_group.py).
-    `local`, built from the same factory, stays here as the mirror of rank 0 for checkpoints."""
+    `local`, built from the same factory, stays here as the mirror of the ranks for checkpoints.
+    `placement.dp_strategy`: fsdp2 shards each rank's model (FSDP2), allreduce replicates it."""
     from sealrl.placement import train_group
     train_group.start_ray(cfg.placement, closers)
     rank, facade = {"actor": (train_group.ActorRank, train_group.ActorGroup),
                     "critic": (train_group.CriticRank, train_group.CriticGroup)}[role]
-    group = train_group.ray_train_group(role, functools.partial(rank, make_worker, cfg.run.seed),
+    factory = functools.partial(rank, make_worker, cfg.run.seed, cfg.placement.dp_strategy)
+    group = train_group.ray_train_group(role, factory,
                                         getattr(cfg.placement, f"{role}_workers"), local.model,
                                         cfg.placement.timeout_s, closers, pool if role == "actor" else None)
     return facade(group, local, cfg.placement.timeout_s)
