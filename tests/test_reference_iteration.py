@@ -8,7 +8,6 @@ import math
 from collections import defaultdict
 
 import pyarrow.parquet as pq
-import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM

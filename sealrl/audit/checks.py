@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections import Counter, defaultdict
+from collections import defaultdict
 from typing import Callable, Iterator
 
 from sealrl.audit.folder import IterationFile, RunFolder
