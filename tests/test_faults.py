@@ -90,12 +90,12 @@ def _metrics(run):
                                               ("checkpoint_after_marker@2", "stage checkpoint (role driver", 1)])
 def test_hung_stage_exits_naming_it_then_resume_equals_straight_run(tmp_path, straight, stage, named, it):
     t0 = time.monotonic()
-    hung = _cli(tmp_path, f"{stage}:hang", "run.stage_timeout_s=10")
+    hung = _cli(tmp_path, f"{stage}:hang", "run.stage_timeout_s=4")
     assert time.monotonic() - t0 < 200            # the hang itself would never end
     assert hung.returncode == 4, hung.stderr[-1500:]
     assert f"{named}, worker pid " in hung.stderr and f"iteration {it}," in hung.stderr, hung.stderr[-1500:]
     [failure] = [json.loads(x) for x in (tmp_path / "f" / "failures.jsonl").read_text().splitlines()]
-    assert failure["stage"] == named.split()[1] and failure["iteration"] == it and failure["timeout_s"] == 10
+    assert failure["stage"] == named.split()[1] and failure["iteration"] == it and failure["timeout_s"] == 4
     train(build_config(None, ARGS + [f"run.output_dir={tmp_path}", "run.resume=auto"]))
     _same_final(straight, tmp_path / "f")
     report = audit_run(tmp_path / "f")

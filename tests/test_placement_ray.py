@@ -378,7 +378,7 @@ def test_a_replica_past_its_deadline_is_replaced_and_its_shard_resent(objects, l
     from tests.helpers_replicas import HangsMidGenerate
     model, tok, (state, v0), _, requests = objects
     factory = functools.partial(HangsMidGenerate, model, tok, str(tmp_path / "hung"), 300.0)
-    pool = RolloutPool(RayWorkerGroup("rollout", factory, ray_pool.pool, timeout_s=60), timeout_s=15)
+    pool = RolloutPool(RayWorkerGroup("rollout", factory, ray_pool.pool, timeout_s=60), timeout_s=8)
     try:
         pool.load(state, v0)
         samples = pool.generate(requests, CONTRACT, v0.version)
