@@ -1,5 +1,6 @@
 """End-to-end runs of the local driver on a tiny random model (seconds, CPU)."""
 import json
+import os
 
 import pyarrow.parquet as pq
 import pytest
@@ -56,6 +57,10 @@ def test_run_folder_is_complete(tmp_path, tiny_model_dir, placement):
         assert not (run / "served.jsonl").exists()
     trace = json.loads((run / "trace.json").read_text())["traceEvents"]
     phases = [e["name"] for e in trace if e["ph"] == "i"]
+    spans = {e["name"]: e["args"] for e in trace if e["ph"] == "X"}   # every stage names its worker
+    assert spans["generate"]["worker"] == ("2 Ray actors (rollout 0..1)" if placement == "ray" else f"pid {os.getpid()}")
+    assert spans["update"]["worker"] == f"pid {os.getpid()}" and spans["update"]["iteration"] in (0, 1)
+    assert spans["reward"]["worker"] == f"pid {os.getpid()} (inline scorer)" and spans["generate"]["version"]
     assert phases[:7] == ["EXPORTING", "ROLLOUT_LOADING", "ROLLOUT_READY", "GENERATING",
                           "EXPERIENCE_SEALED", "UPDATING_FROM", "ACTOR_COMMITTED"]
 

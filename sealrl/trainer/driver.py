@@ -63,7 +63,7 @@ def _train(cfg: Config, run_dir, roles) -> dict:
     setup.write_run_files(run_dir, cfg, {"run": cfg.run.seed}, {"data_hash": data.hash,
                                                                  "num_train_prompts": len(data.train),
                                                                  "dropped_train_rows": data.train.num_dropped})
-    sm = StateMachine(run_dir / "trace.json", cfg.run.stage_timeout_s)
+    sm = StateMachine(run_dir / "trace.json", cfg.run.stage_timeout_s, roles.workers())
     logger = MetricsLogger(run_dir, cfg.run.loggers)
     eval_kw = dict(reward_fn=setup.build_reward_fn(cfg), tokenizer=roles.tokenizer,
                    max_new_tokens=cfg.rollout.max_new_tokens, num=cfg.eval.num, pass_k=cfg.eval.pass_k,

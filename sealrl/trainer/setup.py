@@ -142,6 +142,19 @@ class Roles:
 
     closers: list = field(default_factory=list)   # placement resources, closed last
 
+    def workers(self) -> dict[str, str]:
+        """Who does each role's stages, for the trace and failure messages: this process
+        (`pid N`), its reward worker processes, or Ray actors."""
+        here = f"pid {os.getpid()}"
+        scorers = self.reward.pool.num_workers
+        out = {"driver": here, "reference": here,
+               "reward": f"{here} + {scorers} scorer processes" if scorers else f"{here} (inline scorer)"}
+        for name in ("actor", "critic", "rollout"):
+            role = getattr(self, name)
+            n = getattr(role, "num_workers", None) or getattr(getattr(role, "group", None), "num_workers", None)
+            out[name] = f"{n} Ray actors ({name} 0..{n - 1})" if n else here
+        return out
+
     def close(self) -> None:
         self.reward.close()
         for close in reversed(self.closers):

@@ -49,8 +49,11 @@ STAGE_TIMEOUT_EXIT = 4   # exit status of a process ended by the stage watchdog
 
 
 class StateMachine:
-    def __init__(self, trace_path: Path | None = None, stage_timeout_s: float = 0.0):
+    def __init__(self, trace_path: Path | None = None, stage_timeout_s: float = 0.0,
+                 workers: dict[str, str] | None = None):
         self.stage_timeout_s = stage_timeout_s
+        # role -> the worker(s) doing its stages (Roles.workers()); unnamed roles run in this process
+        self.workers = dict(workers or {})
         self.phase = Phase.ACTOR_COMMITTED
         self.version = ""
         self.iteration = 0
@@ -87,12 +90,16 @@ class StateMachine:
             self.stage_spans.append((name, t, end))
             self._events.append({"name": name, "cat": role, "ph": "X", "ts": start, "dur": dt * 1e6,
                                  "pid": 0, "tid": role,
-                                 "args": {"iteration": self.iteration, "role": role, "version": self.version}})
+                                 "args": {"iteration": self.iteration, "role": role, "worker": self.worker(role),
+                                          "version": self.version}})
+
+    def worker(self, role: str) -> str:
+        return self.workers.get(role, f"pid {os.getpid()}")
 
     def _arm(self, name: str, role: str) -> threading.Timer | None:
         if not self.stage_timeout_s:
             return None
-        failure = {"stage": name, "role": role, "worker": f"pid {os.getpid()}", "iteration": self.iteration,
+        failure = {"stage": name, "role": role, "worker": self.worker(role), "iteration": self.iteration,
                    "version": self.version, "timeout_s": self.stage_timeout_s}
         folder = self._trace_path.parent if self._trace_path is not None else None
         timer = threading.Timer(self.stage_timeout_s, _stage_timed_out, (failure, folder))
