@@ -17,12 +17,19 @@ from sealrl import algos
 from sealrl.experience import SamplingContract
 from sealrl.models.hf import model_config_hash, tokenizer_hash
 from sealrl.models.tiny import build_tiny_model
-from sealrl.placement.dispatch import generate_by_id, sync_weights
+from sealrl.placement.dispatch import generate_by_id
 from sealrl.placement.join import MissingResultsError
 from sealrl.placement.workers import LocalWorkerGroup, WorkerError, pools_from_config
 from sealrl.roles.rollout import RolloutWorker
 from sealrl.rollout import GenerationRequest, VersionNotHeldError
 from sealrl.sync.manifest import WeightSyncError, build_manifest
+
+def sync_weights(group, state, manifest):
+    """The two-phase sync of a replica group (RolloutPool.load: stage and verify everywhere,
+    then activate everywhere)."""
+    from sealrl.placement.rollout_pool import RolloutPool
+    return RolloutPool(group).load(state, manifest)
+
 
 CONTRACT = SamplingContract(temperature=1.0, max_new_tokens=6, n=3)
 PROMPTS = ["07+45=", "12+30=", "99+1=", "3+4=", "50+50=", "8+18="]

@@ -11,7 +11,6 @@ import torch
 
 from sealrl.models.hf import model_config_hash, tokenizer_hash
 from sealrl.models.tiny import build_tiny_model
-from sealrl.placement.dispatch import sync_weights
 from sealrl.placement.join import MissingResultsError
 from sealrl.placement.rollout_pool import RolloutPool
 from sealrl.placement.workers import LocalWorkerGroup, RemoteCallError, WorkerError
@@ -68,9 +67,9 @@ def test_one_phase_sync_on_a_group_also_activates_nothing(versions, tmp_path):
     model, tok, (state0, v0), (state1, v1) = versions
     group = LocalWorkerGroup("rollout", [CorruptedTransfer(model, tok, str(tmp_path / "m"), TENSOR, step=1),
                                          RolloutWorker(model, tok)])
-    sync_weights(group, state0, v0)
+    RolloutPool(group).load(state0, v0)
     with pytest.raises(WorkerError, match="worker 0: stage: WeightSyncError"):
-        sync_weights(group, state1, v1)
+        RolloutPool(group).load(state1, v1)
     assert group.attr("version") == [v0.version, v0.version] and group.attr("staged_version") == [None, None]
 
 

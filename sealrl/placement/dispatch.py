@@ -20,7 +20,7 @@ only if a replica's process is gone; such a replica is replaced and loads v itse
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from sealrl.experience import PolicyVersion, SamplingContract, sample_id
@@ -103,17 +103,6 @@ def activate_all(group: WorkerGroup, version: PolicyVersion, timeout_s: float | 
     if wrong:
         raise ReplicaVersionError(f"rollout replicas {wrong} serve {held[wrong[0]]}, not {version}")
     return version
-
-
-def sync_weights(group: WorkerGroup, state: Mapping, manifest: WeightManifest,
-                 timeout_s: float | None = None) -> PolicyVersion:
-    """Both phases: every replica stages and verifies `manifest`, then all switch. A failure
-    raises the first failed replica's WorkerError and leaves every replica's version as it was."""
-    shared = group.put(dict(state))  # put once, not per replica
-    failed = stage_all(group, shared, manifest, timeout_s)
-    if failed:
-        raise failed[min(failed)]
-    return activate_all(group, manifest.version, timeout_s)
 
 
 def replace_replica(group, k: int, active: tuple[Any, WeightManifest] | None,

@@ -7,7 +7,7 @@ then generation requests for the version it holds. What it guarantees:
   tensor by tensor against the manifest, and only then swapped in with one assignment, so a
   failed load leaves the previous version serving. Staging and activation are separate calls
   so that a pool of replicas activates only once every replica has verified (two phases,
-  placement/dispatch.sync_weights). KV caches live inside one generate call
+  placement/rollout_pool.RolloutPool.load). KV caches live inside one generate call
   and are bound to the version that call started with: nothing cached survives a swap;
 - a prompt is prefilled once and its cache fanned out to the group's candidates; candidates
   share a cache row while their tokens coincide; finished rows leave the batch (the cache is
