@@ -21,7 +21,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sealrl.trainer.config import load_config  # noqa: E402
+from sealrl.config import load_config  # noqa: E402
 from sealrl.trainer.driver import train  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "arith_grpo.yaml"

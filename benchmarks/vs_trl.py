@@ -107,7 +107,7 @@ def step_flops(n: int, prompt_tokens: list[int], response_tokens: list[float]) -
 def run_sealrl(args, workdir: Path, name: str) -> dict:
     from sealrl.experience.store import read_iteration
     from sealrl.obs.metrics import read_metrics
-    from sealrl.trainer.config import build_config
+    from sealrl.config import build_config
     from sealrl.trainer.driver import train
     cfg = build_config(None, [
         f"run.output_dir={workdir}", f"run.name={name}", f"run.iterations={args.steps}", "run.progress=false",

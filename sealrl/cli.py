@@ -18,7 +18,7 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, R
 
 
 def _train(args) -> int:
-    from sealrl.trainer.config import load_config
+    from sealrl.config import load_config
     overrides = list(args.overrides)
     resume = [o for o in overrides if o.startswith("resume=")]
     overrides = [o for o in overrides if not o.startswith("resume=")]
@@ -40,7 +40,7 @@ def _train(args) -> int:
 
 
 def _eval(args) -> int:
-    from sealrl.trainer.config import load_config
+    from sealrl.config import load_config
     from sealrl.trainer.eval_cli import evaluate_path
     path = Path(args.path)
     if not path.exists():

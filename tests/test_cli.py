@@ -2,7 +2,7 @@ import json
 import subprocess
 import sys
 
-from sealrl.trainer.config import build_config
+from sealrl.config import build_config
 from sealrl.trainer.driver import train
 
 

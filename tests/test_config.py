@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from sealrl.trainer.config import ConfigError, build_config, config_diff, load_config
+from sealrl.config import ConfigError, build_config, config_diff, load_config
 
 
 def test_defaults_and_overrides(tmp_path):

@@ -7,7 +7,7 @@ import pytest
 
 from sealrl.audit import audit_run
 from sealrl.experience.store import read_iteration, read_table
-from sealrl.trainer.config import build_config
+from sealrl.config import build_config
 from sealrl.trainer.driver import train
 
 BASE = ["run.iterations=2", "run.progress=false", "data.num_train=48", "eval.num=8",

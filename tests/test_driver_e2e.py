@@ -6,7 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from sealrl.experience.store import read_iteration
-from sealrl.trainer.config import build_config
+from sealrl.config import build_config
 from sealrl.trainer.driver import train
 
 
@@ -67,7 +67,7 @@ def test_run_folder_is_complete(tmp_path, tiny_model_dir, placement):
 
 def test_existing_run_is_not_overwritten(tmp_path, tiny_model_dir):
     import pytest
-    from sealrl.trainer.config import ConfigError
+    from sealrl.config import ConfigError
     train(small_cfg(tmp_path, tiny_model_dir, "run.iterations=1"))
     with pytest.raises(ConfigError, match="already has checkpoints"):
         train(small_cfg(tmp_path, tiny_model_dir, "run.iterations=1"))
@@ -76,7 +76,7 @@ def test_existing_run_is_not_overwritten(tmp_path, tiny_model_dir):
 def test_a_run_folder_in_use_is_refused(tmp_path, tiny_model_dir):
     import pytest
     from sealrl.trainer import setup
-    from sealrl.trainer.config import ConfigError
+    from sealrl.config import ConfigError
     cfg = small_cfg(tmp_path, tiny_model_dir, "run.iterations=1")
     held = setup.lock_run_dir(setup.open_run_dir(cfg))   # another process's run, as far as flock knows
     try:

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from sealrl.audit import audit_run
 from sealrl.experience.store import iteration_path, read_table
-from sealrl.trainer.config import build_config
+from sealrl.config import build_config
 from sealrl.trainer.driver import train
 
 ARGS = ["run.name=f", "run.iterations=4", "run.progress=false", "run.checkpoint_every=1", "run.threads=1",

@@ -133,7 +133,7 @@ def real_run(tmp_path_factory):
     installed logger."""
     from sealrl.models.hf import save_causal_lm
     from sealrl.models.tiny import build_tiny_model
-    from sealrl.trainer.config import build_config
+    from sealrl.config import build_config
     from sealrl.trainer.driver import train
     tmp = tmp_path_factory.mktemp("obs_run")
     model, tok = build_tiny_model(seed=0, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)

@@ -13,12 +13,10 @@ import time
 import pytest
 import torch
 
-from sealrl import algos
-from sealrl.experience import SamplingContract
+from sealrl.experience import MissingResultsError, SamplingContract
 from sealrl.models.hf import model_config_hash, tokenizer_hash
 from sealrl.models.tiny import build_tiny_model
 from sealrl.placement.dispatch import generate_by_id
-from sealrl.placement.join import MissingResultsError
 from sealrl.placement.workers import LocalWorkerGroup, WorkerError, pools_from_config
 from sealrl.roles.rollout import RolloutWorker
 from sealrl.rollout import GenerationRequest, VersionNotHeldError
@@ -76,7 +74,7 @@ def test_local_group_of_two_replicas_gives_the_single_replica_samples(objects, l
     model, tok, (state, v0), _, requests = objects
     group = LocalWorkerGroup("rollout", [RolloutWorker(model, tok), RolloutWorker(model, tok)])
     assert sync_weights(group, state, v0) == v0.version
-    samples, metrics = generate_by_id(group, list(reversed(requests)), CONTRACT, v0.version, "run", 0)
+    samples, metrics = generate_by_id(group, list(reversed(requests)), CONTRACT, v0.version)
     assert_same_samples(sorted(samples, key=lambda s: s.sample_id), sorted(local_samples, key=lambda s: s.sample_id))
     assert sorted(set(metrics["served_by"].values())) == [0, 1]      # both replicas served
     assert metrics["placement/rollout_accepted"] == 18.0 and metrics["placement/rollout_duplicate"] == 0.0
@@ -87,7 +85,7 @@ def test_local_group_failure_names_role_and_worker(objects):
     group = LocalWorkerGroup("rollout", [RolloutWorker(model, tok)])
     sync_weights(group, state, v0)
     with pytest.raises(WorkerError, match="role rollout worker 0: generate: VersionNotHeldError") as e:
-        generate_by_id(group, requests, CONTRACT, v1.version, "run", 0)
+        generate_by_id(group, requests, CONTRACT, v1.version)
     assert isinstance(e.value.cause, VersionNotHeldError)
 
 
@@ -101,7 +99,7 @@ def test_a_replica_that_drops_a_sample_is_reported_by_id(objects):
     group = LocalWorkerGroup("rollout", [Dropping(model, tok)])
     sync_weights(group, state, v0)
     with pytest.raises(MissingResultsError, match="run/0/p0/0"):
-        generate_by_id(group, requests, CONTRACT, v0.version, "run", 0)
+        generate_by_id(group, requests, CONTRACT, v0.version)
 
 
 def test_a_pool_serving_mixed_versions_is_refused_by_name(objects):
@@ -127,8 +125,8 @@ def test_samples_stamped_with_another_version_are_rejected_as_stale(objects):
 
     group = LocalWorkerGroup("rollout", [Mislabelling(model, tok)])
     sync_weights(group, state, v0)
-    with pytest.raises(MissingResultsError, match="no result for 18 sample"):
-        generate_by_id(group, requests, CONTRACT, v0.version, "run", 0)
+    with pytest.raises(MissingResultsError, match="no result for 18 key"):
+        generate_by_id(group, requests, CONTRACT, v0.version)
 
 
 def test_pools_config_rejects_unknown_keys_and_a_role_in_two_pools():
@@ -207,7 +205,7 @@ def ray_pool(objects):
 def test_ray_rollout_pool_gives_the_local_experience(objects, local_samples, ray_pool):
     _, _, (state, v0), _, requests = objects
     assert sync_weights(ray_pool, state, v0) == v0.version
-    samples, metrics = generate_by_id(ray_pool, requests, CONTRACT, v0.version, "run", 0)
+    samples, metrics = generate_by_id(ray_pool, requests, CONTRACT, v0.version)
     assert_same_samples(samples, local_samples)  # same ids, tokens, seeds, versions
     assert sorted(set(metrics["served_by"].values())) == [0, 1]
 
@@ -228,7 +226,7 @@ def test_ray_weight_sync_refuses_a_bad_tensor_and_activates_nothing(objects, ray
     assert type(e.value.cause) is WeightSyncError and e.value.cause.tensor == name   # the real type crossed
     assert ray_pool.attr("version") == [v0.version, v0.version]   # nothing activated anywhere
     with pytest.raises(WorkerError, match="VersionNotHeldError"):
-        generate_by_id(ray_pool, requests[:2], CONTRACT, v1.version, "run", 1)
+        generate_by_id(ray_pool, requests[:2], CONTRACT, v1.version)
     assert sync_weights(ray_pool, state1, v1) == v1.version        # the intact v1 loads
     assert ray_pool.attr("version") == [v1.version, v1.version]
 
@@ -238,26 +236,6 @@ def test_ray_deadline_names_role_and_workers(objects, ray_pool):
     sync_weights(ray_pool, state, v0)
     with pytest.raises(WorkerError, match="role rollout worker 0: generate: no result within 0.001s"):
         ray_pool.call("generate", requests, CONTRACT, v0.version, timeout_s=0.001)
-
-
-def test_ray_data_parallel_ranks_give_the_one_process_update(ray_pool):
-    """Two Ray actors (colocated with the rollout replicas) joined in a gloo group."""
-    from sealrl.placement.data_parallel import DataParallelTrainer
-    from sealrl.placement.workers import RayWorkerGroup
-    from tests.test_placement_dp import BACKWARD, HORIZON, LR, make_batch, make_model, max_diff, step
-    batch = make_batch()
-    _, _, want = step(make_model(), batch, algos.make_normaliser(batch.get("response_mask"), "token-mean",
-                                                                  horizon=HORIZON))
-    factory = functools.partial(DataParallelTrainer, make_model(), BACKWARD, "token-mean", HORIZON, lr=LR)
-    group = RayWorkerGroup("actor", factory, ray_pool.pool, timeout_s=120)
-    try:
-        group.init_process_group("gloo")
-        stats = group.call("step", batch)
-        assert [s["rank"] for s in stats] == [0, 1] and stats[0]["checksum"] == stats[1]["checksum"]
-        assert stats[0]["shard_ids"] == sorted(batch.sample_ids)[:4]
-        assert max_diff(group.call("parameters")[1], want) <= 1e-6
-    finally:
-        group.close()
 
 
 @pytest.fixture(scope="module")
@@ -355,7 +333,7 @@ def test_colocated_and_standalone_rollout_pools_give_identical_experience(object
     """placement.rollout_pool from the config: replicas on their own bundles, or sharing the
     trainer's bundles; the same seeds give the same samples (and the local ones)."""
     from sealrl.trainer import setup
-    from sealrl.trainer.config import build_config
+    from sealrl.config import build_config
     model, tok, (state, v0), _, requests = objects
     got = {}
     for kind, roles in (("standalone", ("rollout",)), ("colocated", ("actor", "rollout"))):
@@ -430,7 +408,7 @@ def test_a_rollout_replica_killed_mid_iteration_is_replaced_and_the_run_is_uncha
     at = events.index(k)
     assert events[at - 1] == "generate" and pool.history[at][1] == pool.history[at - 1][1]  # same version
     assert pool.join_counts["placement/rollout_resent_shards"] == 1.0
-    assert pool.join_counts["placement/rollout_duplicate"] == pool.join_counts["placement/rollout_stale"] == 0.0
+    assert pool.join_counts["placement/rollout_duplicate"] == pool.join_counts["placement/rollout_late"] == 0.0
     metrics = [json.loads(x) for x in (tmp_path / "ray" / "e2e" / "metrics.jsonl").read_text().splitlines()]
     assert [m["groups/regenerated_samples"] for m in metrics] == [0, 0]   # recovered inside the pool
     assert_same_run(tmp_path / "ray" / "e2e", remote, local_run)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sealrl.experience.store import read_iteration, read_table
-from sealrl.trainer.config import ConfigError, build_config
+from sealrl.config import ConfigError, build_config
 from sealrl.trainer.driver import train
 from sealrl.trainer.recompute import add_parser, recompute_run
 

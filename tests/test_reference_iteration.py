@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from sealrl.trainer.config import EMBEDDED_MODEL, build_config
+from sealrl.config import EMBEDDED_MODEL, build_config
 from sealrl.trainer.driver import train
 
 # Adam's first step is lr * g / (|g| + eps): for gradients near eps, fp32 summation order

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from sealrl.audit import audit_run
 from sealrl.trainer.checkpoint import CheckpointError
-from sealrl.trainer.config import build_config
+from sealrl.config import build_config
 from sealrl.trainer.driver import train
 from sealrl.trainer.iteration_metrics import is_wall_clock
 

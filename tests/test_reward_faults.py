@@ -78,7 +78,7 @@ class HangsOnIteration1:
 
 def _train(tmp_path, monkeypatch, scorer, *extra):
     from sealrl.trainer import setup
-    from sealrl.trainer.config import build_config
+    from sealrl.config import build_config
     from sealrl.trainer.driver import train
     monkeypatch.setattr(setup, "build_reward_fn", lambda cfg: scorer)
     return train(build_config(None, ARGS + [f"run.output_dir={tmp_path}", *extra]))
@@ -157,7 +157,7 @@ def test_stage_watchdog_ends_a_hung_reward_stage_and_its_workers(tmp_path):
     pids = tmp_path / "pids"
     script = ("import sys; from sealrl.trainer import setup; from tests.test_reward_faults import ARGS, "
               "HangsOnIteration1; setup.build_reward_fn = lambda cfg: HangsOnIteration1(); "
-              "from sealrl.trainer.config import build_config; from sealrl.trainer.driver import train; "
+              "from sealrl.config import build_config; from sealrl.trainer.driver import train; "
               "train(build_config(None, ARGS + sys.argv[1:]))")
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-c", script, f"run.output_dir={tmp_path}", "reward.num_workers=2",

@@ -11,7 +11,7 @@ import torch
 
 from sealrl.models.hf import model_config_hash, tokenizer_hash
 from sealrl.models.tiny import build_tiny_model
-from sealrl.placement.join import MissingResultsError
+from sealrl.experience import MissingResultsError
 from sealrl.placement.rollout_pool import RolloutPool
 from sealrl.placement.workers import LocalWorkerGroup, RemoteCallError, WorkerError
 from sealrl.roles.rollout import RolloutWorker

@@ -20,7 +20,7 @@ from sealrl.experience.store import read_iteration
 from sealrl.placement.train_group import ActorGroup, ActorRank, join_rows
 from sealrl.placement.workers import LocalWorkerGroup
 from sealrl.roles.actor import ActorWorker
-from sealrl.trainer.config import build_config
+from sealrl.config import build_config
 from sealrl.trainer.driver import train
 from tests.test_placement_dp import HORIZON, V0, make_batch, make_model, max_diff
 
@@ -109,7 +109,7 @@ def test_actor_group_of_one_in_process_rank_is_the_plain_actor():
     group.restore(snap)
     assert group.step == 1 and max_diff(weights(group.model), before) == 0.0        # every rank rolled back
     group.model.load_state_dict(make_model().state_dict())                          # a checkpoint restore ...
-    group.step = 0                                                                  # ... then its counters
+    group.set_counters(step=0)                                                      # ... then its counters
     rank = group.replicas.group.workers[0].worker
     assert rank.step == 0 and max_diff(weights(rank.model), weights(make_model())) == 0.0
 

@@ -1,9 +1,10 @@
 """Dispatch role work to a worker group by id and join the results by sample id.
 
 `generate_by_id`: GENERATING(v) over a pool of rollout replicas. Requests are split by group
-id (sorted, contiguous ranges: join.split_ids), so the split does not depend on the order the
-driver built them in; results come back per worker and are joined by (run, iteration, sample
-id, "rollout", version id). It consumes requests whose samples all belong to version v; it
+id (sorted, contiguous ranges: experience.split_ids), so the split does not depend on the order
+the driver built them in; results come back per worker and are joined by (sample id, version id)
+(experience.join; the sample id names run and iteration). It consumes requests whose samples
+all belong to version v; it
 waits for every replica's shard (one deadline, WorkerGroup.timeout); a replica that answers
 with another version, twice for an id, or not at all makes the join fail loudly. A replica
 that is lost (its process died, or it missed the deadline) can be replaced (`replace(k)`:
@@ -23,8 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from sealrl.experience import PolicyVersion, SamplingContract, sample_id
-from sealrl.placement.join import ResultJoin, ResultKey, split_ids
+from sealrl.experience import Join, PolicyVersion, SamplingContract, sample_id, split_ids
 from sealrl.placement.workers import WorkerError, WorkerGroup
 from sealrl.rollout.engine import GenerationRequest, RolloutSample
 from sealrl.sync.manifest import WeightManifest
@@ -35,7 +35,7 @@ class ReplicaVersionError(RuntimeError):
 
 
 def generate_by_id(group: WorkerGroup, requests: list[GenerationRequest], contract: SamplingContract,
-                   version: PolicyVersion, run_id: str, iteration: int, timeout_s: float | None = None,
+                   version: PolicyVersion, timeout_s: float | None = None,
                    replace: Callable[[int], None] | None = None, max_replacements: int = 1
                    ) -> tuple[list[RolloutSample], dict]:
     """Samples of every requested candidate (in request, then candidate order, as the local
@@ -46,10 +46,11 @@ def generate_by_id(group: WorkerGroup, requests: list[GenerationRequest], contra
     if len(by_group) != len(requests):
         raise ValueError("generate_by_id: one request per group id (merge candidates first)")
     shards = split_ids(by_group, group.num_workers)
-    expected = [sample_id(r.group_id, c) for r in requests for c in r.candidates]
-    join = ResultJoin(run_id, iteration, "rollout", version.id, expected)
+    join = Join("rollout")
     calls = {k: ([by_group[g] for g in ids], contract, version) for k, ids in enumerate(shards) if ids}
     attempt = dict.fromkeys(calls, 0)   # join attempt of each shard's ids
+    for k, (reqs, _, _) in calls.items():
+        join.ask(_keys(reqs, version), 0)
     served: dict[str, int] = {}
     for round_ in range(max_replacements + 1):
         lost = []
@@ -60,19 +61,24 @@ def generate_by_id(group: WorkerGroup, requests: list[GenerationRequest], contra
                 lost.append(k)
                 continue
             for s in out:
-                key = ResultKey(run_id, iteration, s.sample_id, "rollout", s.policy_version.id)
-                if join.offer(key, attempt[k], s):
+                if join.offer((s.sample_id, s.policy_version.id), attempt[k], s):
                     served[s.sample_id] = k
         if not lost:
             break
         for k in lost:  # same shard, same seeds, same version, on a fresh replica
             replace(k)
-            join.retry(sample_id(r.group_id, c) for r in calls[k][0] for c in r.candidates)
             attempt[k] += 1
+            join.ask(_keys(calls[k][0], version), attempt[k])
         calls = {k: calls[k] for k in lost}
     results = join.results()  # raises MissingResultsError naming the ids
-    metrics = {**join.metrics(), "placement/rollout_resent_shards": float(sum(attempt.values()))}
-    return [results[i] for i in expected], {**metrics, "served_by": served}
+    metrics = {f"placement/rollout_{k}": float(v) for k, v in join.counts.items()}
+    metrics["placement/rollout_resent_shards"] = float(sum(attempt.values()))
+    return [results[key] for key in _keys(requests, version)], {**metrics, "served_by": served}
+
+
+def _keys(requests: list[GenerationRequest], version: PolicyVersion) -> list[tuple[str, str]]:
+    """Join keys of the requested candidates, in request then candidate order."""
+    return [(sample_id(r.group_id, c), version.id) for r in requests for c in r.candidates]
 
 
 def stage_all(group: WorkerGroup, shared_state: Any, manifest: WeightManifest,

@@ -65,13 +65,8 @@ class RolloutPool:
                  version: PolicyVersion) -> list[RolloutSample]:
         if not requests:
             return []
-        runs = {tuple(r.group_id.split("/", 2)[:2]) for r in requests}  # group id: run/iter/prompt
-        if len(runs) != 1:
-            raise ValueError(f"RolloutPool.generate: requests of several (run, iteration): {sorted(runs)}")
-        run_id, iteration = next(iter(runs))
         self.history.append(("generate", version.id))
-        samples, metrics = generate_by_id(self.group, requests, contract, version, run_id, int(iteration),
-                                          timeout_s=self.timeout_s, replace=self._replace,
+        samples, metrics = generate_by_id(self.group, requests, contract, version, timeout_s=self.timeout_s, replace=self._replace,
                                           max_replacements=self.max_replacements)
         served = metrics.pop("served_by")
         self.served.append({"version": version.id, "replica_of": served})

@@ -6,7 +6,7 @@ Each rank hosts an ordinary ActorWorker (CriticWorker). Every rank receives the 
 (one object-store copy) and runs the same update loop: the same minibatch order from the
 shared seed, the same normaliser counted on the whole minibatch (global by construction), then
 in every optimizer step it keeps only its rows, a contiguous range of the minibatch's sorted
-sample ids (`data_parallel.own_rows`). Its loss is its share of the global loss; gradients and
+sample ids (`roles.distributed.own_rows`). Its loss is its share of the global loss; gradients and
 metric shares are SUMMED over ranks (`sum_grads`, `all_reduce_sums`), so clip and AdamW see the
 one-process gradient on every rank. Per-rank torch seeds are derived (`rank_seed`), never random.
 
@@ -23,13 +23,13 @@ computed on each rank's shard of sorted ids and joined by sample id on the drive
 The driver keeps a local copy of the role (`local`), built from the same arguments: it mirrors
 the ranks' full state for checkpoints and `save_causal_lm`. It is pulled lazily after an update
 (`model`, `optimizer`), and pushed to every rank when a checkpoint is restored into it:
-position.restore_position loads `model` and `optimizer`, then sets `step`, and setting `step`
+position.restore_position loads `model` and `optimizer`, then calls `set_counters`, which
 is the push. `export()` takes rank 0's full weights, checks every other rank's weights hash
 against them (ReplicaMismatchError names the rank) and builds the manifest on the driver.
 Pull, export and push go to EVERY rank: with fsdp2, gathering full tensors (and cutting them
 back into shards) is a collective; only rank 0 ships what it gathered. FSDP2 also gathers in
 every forward, so the forward-only calls (old log-probs, values) run as many micro-batches on
-every rank (`data_parallel.idle_passes`). Rollback snapshots stay inside each rank (sharded).
+every rank (`roles.distributed.idle_passes`). Rollback snapshots stay inside each rank (sharded).
 
 Process group: gloo (the roles train on CPU today); nccl when the role's model is on CUDA.
 """
@@ -42,13 +42,16 @@ import torch
 
 from sealrl.experience import ExperienceBatch, PolicyVersion, Role
 from sealrl.models.logprobs import response_log_probs
-from sealrl.placement.data_parallel import (ReplicaMismatchError, decoder_layers, fsdp2_available, fsdp2_shard,
-                                            full_optimizer_state, full_state, idle_passes, is_sharded,
-                                            load_full_optimizer_state, load_full_state, rank_seed, shard_batch,
-                                            world)
 from sealrl.placement.workers import WorkerGroup
 from sealrl.roles.common import batch_log_probs
+from sealrl.roles.distributed import (decoder_layers, fsdp2_available, fsdp2_shard, full_optimizer_state, full_state,
+                                      idle_passes, is_sharded, load_full_optimizer_state, load_full_state, rank_seed,
+                                      shard_batch, world)
 from sealrl.sync.manifest import WeightManifest, build_manifest, entries_digest, tensor_entry
+
+
+class ReplicaMismatchError(RuntimeError):
+    """Data-parallel replicas hold different weights or counters after a step."""
 
 
 # ---- inside each Ray actor -----------------------------------------------------------------
@@ -154,7 +157,7 @@ class CriticRank(TrainRank):
         return shard.sample_ids, shard.get("values"), shard.get("last_values")
 
     def update(self, batch: ExperienceBatch):
-        return self.worker.update(batch), {"step": self.worker.step}
+        return self.worker.update(batch), {"step": self.worker.step, "skipped_steps": self.worker.skipped_steps}
 
 
 # ---- on the driver -------------------------------------------------------------------------
@@ -222,9 +225,10 @@ class Replicas:
 
 
 class _RoleGroup:
-    """What both facades share: the rank group with rank 0's mirror, the optimizer-step counter
-    (set on a checkpoint restore, which pushes the mirror's state to every rank), and the
-    mirror's model and optimizer, pulled from rank 0 when read."""
+    """What both facades share: the rank group with rank 0's mirror, the counters (kept in the
+    mirror; set by an update, a rollback, or a checkpoint restore, which pushes the mirror's
+    state to every rank), updates and rollbacks, and the mirror's model and optimizer, pulled
+    from rank 0 when read."""
 
     def __init__(self, group: WorkerGroup, local, timeout_s: float | None = None) -> None:
         self.replicas = Replicas(group, local, timeout_s)
@@ -238,11 +242,37 @@ class _RoleGroup:
     def step(self) -> int:
         return self.local.step
 
-    @step.setter
-    def step(self, value: int) -> None:
-        """Restoring a checkpoint: position.py has loaded `model` and `optimizer`; push them."""
-        self.local.step = value
-        self.replicas.push({"step": value})
+    def set_counters(self, **counters: int) -> None:
+        """Restoring a checkpoint: position.py has loaded `model` and `optimizer` into the
+        mirror; the mirror's state and these counters are pushed to every rank."""
+        for name, value in counters.items():
+            setattr(self.local, name, value)
+        self.replicas.push(counters)
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.local.skipped_steps
+
+    def _update(self, role: str, *args) -> dict:
+        """Every rank updates; their step counters must agree. Metrics are all-reduced: the same
+        on every rank."""
+        self.replicas.changed()
+        results = self.replicas.call("update", *args)
+        counters = results[0][1]
+        if any(c != counters for _, c in results):
+            raise ReplicaMismatchError(f"{role} ranks disagree on counters: {[c for _, c in results]}")
+        self.local.step, self.local.skipped_steps = counters["step"], counters["skipped_steps"]
+        return results[0][0]
+
+    def snapshot(self) -> dict:
+        """Every rank keeps its own (sharded) committed state; the driver keeps the counters."""
+        self.replicas.call("keep_snapshot")
+        return {"step": self.local.step, "skipped": self.local.skipped_steps}
+
+    def restore(self, snap: dict) -> None:
+        self.replicas.call("restore_snapshot")
+        self.replicas.changed()
+        self.local.step, self.local.skipped_steps = snap["step"], snap["skipped"]
 
     @property
     def model(self):
@@ -260,16 +290,6 @@ class ActorGroup(_RoleGroup):
     """The actor over N data-parallel ranks, with the ActorWorker interface the driver and
     position.py use (export, compute_old_log_probs, update, snapshot, restore, step, attempt,
     skipped_steps, model, optimizer)."""
-
-    # counters live in the mirror; the ranks' copies are set by update and by a restore
-    @property
-    def skipped_steps(self) -> int:
-        return self.local.skipped_steps
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int) -> None:
-        self.local.skipped_steps = value
-        self.replicas.call("set_counters", {"skipped_steps": value})
 
     @property
     def attempt(self) -> int:   # only the manifest uses it, and the manifest is built here
@@ -296,22 +316,7 @@ class ActorGroup(_RoleGroup):
 
     def update(self, batch: ExperienceBatch, version: PolicyVersion, iteration: int, seed: int) -> dict:
         """Every rank runs ActorWorker.update on the whole batch, keeping its rows per step."""
-        self.replicas.changed()
-        results = self.replicas.call("update", self.replicas.share(batch), version, iteration, seed)
-        counters = results[0][1]
-        if any(c != counters for _, c in results):
-            raise ReplicaMismatchError(f"actor ranks disagree on counters: {[c for _, c in results]}")
-        self.local.step, self.local.skipped_steps = counters["step"], counters["skipped_steps"]
-        return results[0][0]   # metrics are all-reduced: the same on every rank
-
-    def snapshot(self) -> dict:
-        self.replicas.call("keep_snapshot")
-        return {"step": self.local.step, "skipped": self.local.skipped_steps}
-
-    def restore(self, snap: dict) -> None:
-        self.replicas.call("restore_snapshot")
-        self.replicas.changed()
-        self.local.step, self.local.skipped_steps = snap["step"], snap["skipped"]
+        return self._update("actor", self.replicas.share(batch), version, iteration, seed)
 
 
 class CriticGroup(_RoleGroup):
@@ -330,22 +335,7 @@ class CriticGroup(_RoleGroup):
                   self.version)
 
     def update(self, batch: ExperienceBatch) -> dict[str, float]:
-        self.replicas.changed()
-        results = self.replicas.call("update", self.replicas.share(batch))
-        steps = [c["step"] for _, c in results]
-        if len(set(steps)) != 1:
-            raise ReplicaMismatchError(f"critic ranks disagree on the step: {steps}")
-        self.local.step = steps[0]
-        return results[0][0]
-
-    def snapshot(self) -> dict:
-        self.replicas.call("keep_snapshot")
-        return {"step": self.local.step}
-
-    def restore(self, snap: dict) -> None:
-        self.replicas.call("restore_snapshot")
-        self.replicas.changed()
-        self.local.step = snap["step"]
+        return self._update("critic", self.replicas.share(batch))
 
 
 # ---- building on Ray -----------------------------------------------------------------------

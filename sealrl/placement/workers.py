@@ -226,9 +226,11 @@ class _RoleHost:
     def rendezvous(self) -> str:
         """tcp://<this node's address>:<a free port>, for rank 0 of a process group."""
         import ray
-        from sealrl.placement.data_parallel import free_port
+        import socket
         host = ray.util.get_node_ip_address()
-        return f"tcp://{host}:{free_port(host)}"
+        with socket.socket() as sock:   # a free port on this node, for the group's rendezvous
+            sock.bind((host, 0))
+            return f"tcp://{host}:{sock.getsockname()[1]}"
 
     def join_process_group(self, init_method: str, rank: int, world_size: int, backend: str) -> int:
         import torch

@@ -11,25 +11,12 @@ from sealrl import algos, faults
 from sealrl.experience import ExperienceBatch, PolicyVersion, Role
 from sealrl.models.hf import model_config_hash
 from sealrl.models.logprobs import response_log_probs
-from sealrl.placement.data_parallel import all_reduce_sums, clip_grad_norm, idle_passes, own_rows, sum_grads, world
-from sealrl.roles.common import batch_log_probs, clone_state, pad_width
+from sealrl.roles.common import batch_log_probs, clone_state, lr_at, optimizer_step, pad_width
+from sealrl.roles.distributed import all_reduce_sums, idle_passes, own_rows, world
 from sealrl.sync.manifest import WeightManifest, build_manifest
 
-if TYPE_CHECKING:  # roles never import the trainer at run time (import direction)
-    from sealrl.trainer.config import ActorConfig, AlgorithmConfig
-
-
-def lr_at(step: int, base: float, warmup: int, schedule: str, total: int, min_ratio: float) -> float:
-    """Learning rate of optimizer step `step` (0-based): linear warm-up, then constant, cosine
-    or linear decay to `min_ratio * base` at step `total`. A pure function of the step, so a
-    resumed run needs no scheduler state."""
-    if warmup and step < warmup:
-        return base * (step + 1) / warmup
-    if schedule == "constant" or total <= warmup:
-        return base
-    frac = min(1.0, (step - warmup) / max(1, total - warmup))
-    shape = 0.5 * (1 + math.cos(math.pi * frac)) if schedule == "cosine" else 1 - frac
-    return base * (min_ratio + (1 - min_ratio) * shape)
+if TYPE_CHECKING:
+    from sealrl.config import ActorConfig, AlgorithmConfig
 
 
 class ActorWorker:
@@ -102,6 +89,11 @@ class ActorWorker:
         """The committed state (weights, optimizer, counters) to restore if an update fails."""
         return {"model": clone_state(self.model.state_dict()), "optim": clone_state(self.optimizer.state_dict()),
                 "step": self.step, "skipped": self.skipped_steps}
+
+    def set_counters(self, **counters: int) -> None:
+        """Restoring a checkpoint (position.py): step and the other counters."""
+        for name, value in counters.items():
+            setattr(self, name, value)
 
     def restore(self, snap: dict) -> None:
         self.model.load_state_dict(snap["model"])
@@ -179,20 +171,14 @@ class ActorWorker:
         # Data-parallel (no-ops on one process): the ranks' losses are shares of one loss, so
         # gradients and metric shares are SUMMED; clip and step then match on every rank.
         totals = all_reduce_sums(totals)
-        sum_grads(list(self.model.parameters()))
-        grad_norm = clip_grad_norm(self.model.parameters(), cfg.grad_clip)
-        faults.point("before_optimizer_step", self.iteration)
-        if not math.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            self.skipped_steps += 1
-        else:
-            lr = lr_at(self.step, cfg.lr, cfg.warmup_steps, cfg.lr_schedule, self.total_steps, cfg.min_lr_ratio)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
+        lr = lr_at(self.step, cfg.lr, cfg.warmup_steps, cfg.lr_schedule, self.total_steps, cfg.min_lr_ratio)
+        totals["grad_norm"] = optimizer_step(self.model, self.optimizer, cfg.grad_clip, lr,
+                                             lambda: faults.point("before_optimizer_step", self.iteration))
+        if math.isfinite(totals["grad_norm"]):
             self.step += 1
             totals["lr"] = lr
-        totals["grad_norm"] = grad_norm
+        else:
+            self.skipped_steps += 1
         return totals
 
     def _policy_loss(self, lp, old, adv, mask, norm, weights):

@@ -1,11 +1,16 @@
-"""Plumbing the roles share: teacher-forced log-probs of a batch, in micro-batches."""
+"""Plumbing the roles share: teacher-forced log-probs of a batch in micro-batches, the
+learning-rate schedule, and the one optimizer step of the actor and the critic."""
 from __future__ import annotations
+
+import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from sealrl.experience import ExperienceBatch
 from sealrl.models.logprobs import response_log_probs
+from sealrl.roles.distributed import clip_grad_norm, sum_grads
 
 
 def clone_state(x):
@@ -45,3 +50,35 @@ def batch_log_probs(model, batch: ExperienceBatch, temperature: float, pad_id: i
     lp = torch.cat(out_lp).cpu().masked_fill(~mask, 0.0) if out_lp else torch.zeros(0, width)
     ent = torch.cat(out_ent).cpu().masked_fill(~mask, 0.0) if out_ent else None
     return lp, ent
+
+
+def lr_at(step: int, base: float, warmup: int, schedule: str, total: int, min_ratio: float) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warm-up, then constant, cosine
+    or linear decay to `min_ratio * base` at step `total`. A pure function of the step, so a
+    resumed run needs no scheduler state."""
+    if warmup and step < warmup:
+        return base * (step + 1) / warmup
+    if schedule == "constant" or total <= warmup:
+        return base
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    shape = 0.5 * (1 + math.cos(math.pi * frac)) if schedule == "cosine" else 1 - frac
+    return base * (min_ratio + (1 - min_ratio) * shape)
+
+
+def optimizer_step(model, optimizer: torch.optim.Optimizer, grad_clip: float, lr: float,
+                   before_step: Callable[[], object] = lambda: None) -> float:
+    """After the backward passes of one step: gradients SUMMED over data-parallel ranks (a no-op
+    on one process; the ranks' losses are shares of one loss), clipped on the global norm, then
+    one step at `lr` on every rank alike. A non-finite norm drops the gradients and takes no
+    step. Returns the global gradient norm (the caller counts a non-finite one as skipped).
+    `before_step` runs after the collectives, just before the step (a fault-injection point)."""
+    sum_grads(list(model.parameters()))
+    grad_norm = clip_grad_norm(model.parameters(), grad_clip)
+    before_step()
+    if not math.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    return grad_norm

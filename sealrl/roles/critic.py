@@ -2,7 +2,6 @@
 optimizer. Not a reward model: it predicts returns, it does not score responses."""
 from __future__ import annotations
 
-import copy
 import math
 from typing import TYPE_CHECKING
 
@@ -11,12 +10,11 @@ import torch
 from sealrl import algos
 from sealrl.experience import ExperienceBatch, Role
 from sealrl.models.critic import CriticModel
-from sealrl.placement.data_parallel import all_reduce_sums, clip_grad_norm, idle_passes, own_rows, sum_grads
-from sealrl.roles.actor import lr_at
-from sealrl.roles.common import pad_width
+from sealrl.roles.common import clone_state, lr_at, optimizer_step, pad_width
+from sealrl.roles.distributed import all_reduce_sums, idle_passes, own_rows
 
-if TYPE_CHECKING:  # roles never import the trainer at run time (import direction)
-    from sealrl.trainer.config import CriticConfig
+if TYPE_CHECKING:
+    from sealrl.config import CriticConfig
 
 
 class CriticWorker:
@@ -25,7 +23,8 @@ class CriticWorker:
         self.model, self.cfg, self.pad_id = model, cfg, pad_id
         self.micro, self.loss_agg, self.horizon = micro_batch_size, loss_agg, horizon
         self.optimizer = self.make_optimizer()
-        self.step = 0
+        self.step = 0            # committed optimizer steps
+        self.skipped_steps = 0   # optimizer steps skipped for a non-finite gradient
 
     def make_optimizer(self) -> torch.optim.Optimizer:
         """AdamW over the model's parameters (made again after FSDP2 replaces them with DTensors)."""
@@ -54,13 +53,18 @@ class CriticWorker:
         batch.put("last_values", torch.cat(lasts).cpu(), Role.CRITIC, self.version)
 
     def snapshot(self) -> dict:
-        return {"model": copy.deepcopy(self.model.state_dict()), "optim": copy.deepcopy(self.optimizer.state_dict()),
-                "step": self.step}
+        return {"model": clone_state(self.model.state_dict()), "optim": clone_state(self.optimizer.state_dict()),
+                "step": self.step, "skipped": self.skipped_steps}
+
+    def set_counters(self, **counters: int) -> None:
+        """Restoring a checkpoint (position.py): step and the other counters."""
+        for name, value in counters.items():
+            setattr(self, name, value)
 
     def restore(self, snap: dict) -> None:
         self.model.load_state_dict(snap["model"])
         self.optimizer.load_state_dict(snap["optim"])
-        self.step = snap["step"]
+        self.step, self.skipped_steps = snap["step"], snap["skipped"]
         self.optimizer.zero_grad(set_to_none=True)
 
     def update(self, batch: ExperienceBatch) -> dict[str, float]:
@@ -87,13 +91,12 @@ class CriticWorker:
         # Data-parallel (no-ops on one process): losses are shares of one loss, so SUM.
         sums = all_reduce_sums({"value_loss": total, "clip_frac": clip_frac})
         total, clip_frac = sums["value_loss"], sums["clip_frac"]
-        sum_grads(list(self.model.parameters()))
-        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.grad_clip)
+        lr = lr_at(self.step, self.cfg.lr, self.cfg.warmup_steps, "constant", 0, 0.0)
+        grad_norm = optimizer_step(self.model, self.optimizer, self.cfg.grad_clip, lr)
         if math.isfinite(grad_norm):
-            lr = lr_at(self.step, self.cfg.lr, self.cfg.warmup_steps, "constant", 0, 0.0)
-            for g in self.optimizer.param_groups:
-                g["lr"] = lr
-            self.optimizer.step()
             self.step += 1
+        else:
+            self.skipped_steps += 1
         self.model.eval()
-        return {"critic/value_loss": total, "critic/grad_norm": grad_norm, "critic/clip_frac": clip_frac}
+        return {"critic/value_loss": total, "critic/grad_norm": grad_norm, "critic/clip_frac": clip_frac,
+                "critic/skipped_steps": float(self.skipped_steps)}

@@ -7,7 +7,7 @@ import torch
 
 from sealrl import algos
 from sealrl.experience import ExperienceBatch, Role
-from sealrl.trainer.config import AlgorithmConfig
+from sealrl.config import AlgorithmConfig
 
 
 def group_index(group_ids: list[str]) -> torch.Tensor:

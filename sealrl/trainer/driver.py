@@ -20,7 +20,7 @@ from sealrl.models.hf import save_causal_lm
 from sealrl.obs.metrics import MetricsLogger
 from sealrl.obs.progress import Progress
 from sealrl.trainer import setup
-from sealrl.trainer.config import Config
+from sealrl.config import Config
 from sealrl.trainer.derive import derive
 from sealrl.trainer.evaluate import evaluate
 from sealrl.trainer.iteration_metrics import (batch_metrics, from_stage_start, preparation_metrics, rollout_metrics,

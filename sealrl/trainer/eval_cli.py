@@ -8,7 +8,7 @@ from sealrl.roles.rollout import RolloutWorker
 from sealrl.sync.manifest import build_manifest
 from sealrl.trainer import setup
 from sealrl.trainer.checkpoint import latest_checkpoint
-from sealrl.trainer.config import Config
+from sealrl.config import Config
 from sealrl.trainer.evaluate import evaluate
 from sealrl.trainer.position import checkpoint_model_state
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from sealrl.experience import RewardRecord, RewardStatus, StopReason, digest, group_id
+from sealrl.experience import Join, RewardRecord, RewardStatus, StopReason, digest, group_id
 from sealrl.rollout.engine import GenerationRequest, RolloutSample
 
 
@@ -33,39 +33,6 @@ class GroupEntry:
 
 
 @dataclass(slots=True)
-class Deliveries:
-    """Joins deliveries by key. A key is accepted once, and only from the attempt that last asked
-    for it; what is refused is counted: a second copy from that attempt (duplicate), a copy from
-    a superseded attempt or one arriving after the join closed (late: same seed, maybe the same
-    bytes, still refused), a key or attempt never asked for (unexpected)."""
-    asked: dict = field(default_factory=dict)   # key -> attempt that asked for it last
-    got: dict = field(default_factory=dict)     # key -> accepted value
-    finished: set = field(default_factory=set)  # attempts whose results were already decided on
-    duplicates: int = 0
-    late: int = 0
-    unexpected: int = 0
-
-    def ask(self, keys, attempt: int) -> None:
-        """A new attempt for `keys`: what an older attempt delivered for them is discarded."""
-        for k in keys:
-            self.asked[k] = attempt
-            self.got.pop(k, None)
-
-    def offer(self, key, attempt: int, value) -> None:
-        asked = self.asked.get(key)
-        if asked is None or attempt > asked:
-            self.unexpected += 1
-        elif attempt < asked:
-            self.late += 1
-        elif key in self.got:
-            self.duplicates += 1
-        elif attempt in self.finished:
-            self.late += 1
-        else:
-            self.got[key] = value
-
-
-@dataclass(slots=True)
 class IterationLedger:
     iteration: int
     n: int
@@ -73,8 +40,8 @@ class IterationLedger:
     groups: dict[str, GroupEntry] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)   # failed generate calls, with the error
     attempt: int = 0                                     # the generate call being joined (0 = first)
-    rollout: Deliveries = field(default_factory=Deliveries)   # keyed (group id, candidate)
-    rewards: Deliveries = field(default_factory=Deliveries)   # keyed sample id
+    rollout: Join = field(default_factory=lambda: Join("rollout"))   # keyed (group id, candidate)
+    rewards: Join = field(default_factory=lambda: Join("reward"))    # keyed sample id
     reward_attempt: int = -1                             # the scoring call being joined
 
     # ---- rollout completion -------------------------------------------------------------
@@ -87,7 +54,7 @@ class IterationLedger:
         self.rollout.ask([(g, c) for g in requests for c in range(self.n)], 0)
         self.deliver(samples, 0)
         for attempt in range(1, self.max_retries + 2):
-            missing = {g: tuple(c for c in range(self.n) if (g, c) not in self.rollout.got) for g in requests}
+            missing = {g: tuple(c for c in range(self.n) if (g, c) not in self.rollout.accepted) for g in requests}
             missing = {g: c for g, c in missing.items() if c}
             if not missing or attempt > self.max_retries:
                 break
@@ -98,10 +65,10 @@ class IterationLedger:
             self.deliver(regenerate(retry), attempt)
             for g, cands in missing.items():
                 self.groups[g].regenerated += len(cands)
-        self.rollout.finished.update(range(self.attempt + 1))
+        self.rollout.close(range(self.attempt + 1))
         complete = {}
         for g in requests:
-            cands = [self.rollout.got.get((g, c)) for c in range(self.n)]
+            cands = [self.rollout.accepted.get((g, c)) for c in range(self.n)]
             if None not in cands:
                 complete[g] = cands
             else:
@@ -111,7 +78,7 @@ class IterationLedger:
         return complete
 
     def deliver(self, samples: list[RolloutSample], attempt: int) -> None:
-        """Samples of generate call `attempt`, whenever they arrive (see Deliveries). Failed
+        """Samples of generate call `attempt`, whenever they arrive (see experience.join). Failed
         samples (stop reason error) are left missing, to be regenerated."""
         for s in samples:
             if s.stop_reason is not StopReason.ERROR:
@@ -121,21 +88,21 @@ class IterationLedger:
     def score(self, ids: list[str], call: Callable[[int], list[tuple[str, RewardRecord]]],
               scorer: str) -> dict[str, RewardRecord]:
         """One scoring attempt for `ids`: `call(attempt)` delivers (sample id, record) pairs,
-        joined by sample id (see Deliveries). A sample left without a record gets an error
+        joined by sample id (see experience.join). A sample left without a record gets an error
         record naming the scorer and the counts: never a misaligned or missing score."""
         self.reward_attempt += 1
         attempt = self.reward_attempt
         self.rewards.ask(ids, attempt)
         pairs = call(attempt)
         self.deliver_rewards(pairs, attempt)
-        self.rewards.finished.add(attempt)
+        self.rewards.close([attempt])
         lost = f"the reward role delivered {len(pairs)} records for {len(ids)} samples"
-        return {i: self.rewards.got.get(i) or RewardRecord.failure(
+        return {i: self.rewards.accepted.get(i) or RewardRecord.failure(
                     RewardStatus.ERROR, scorer, f"scorer {scorer!r}: {lost}; none for sample {i!r}")
                 for i in ids}
 
     def deliver_rewards(self, pairs: list[tuple[str, RewardRecord]], attempt: int) -> None:
-        """Records of scoring call `attempt`, whenever they arrive (see Deliveries)."""
+        """Records of scoring call `attempt`, whenever they arrive (see experience.join)."""
         for sample_id, record in pairs:
             self.rewards.offer(sample_id, attempt, record)
 
@@ -179,12 +146,12 @@ class IterationLedger:
             "groups/dropped": sum(e.status == "dropped" for e in entries),
             "groups/regenerated_samples": sum(e.regenerated for e in entries),
             "rollout/failed_calls": len(self.failures),
-            "rollout/duplicate_deliveries": self.rollout.duplicates,
-            "rollout/late_deliveries": self.rollout.late,
-            "rollout/unexpected_deliveries": self.rollout.unexpected,
-            "reward/duplicate_deliveries": self.rewards.duplicates,
-            "reward/late_deliveries": self.rewards.late,
-            "reward/unexpected_deliveries": self.rewards.unexpected,
+            "rollout/duplicate_deliveries": self.rollout.counts["duplicate"],
+            "rollout/late_deliveries": self.rollout.counts["late"],
+            "rollout/unexpected_deliveries": self.rollout.counts["unexpected"],
+            "reward/duplicate_deliveries": self.rewards.counts["duplicate"],
+            "reward/late_deliveries": self.rewards.counts["late"],
+            "reward/unexpected_deliveries": self.rewards.counts["unexpected"],
             "reward/errors": sum(e.reward_errors for e in entries),
             "reward/penalised": sum(e.penalised for e in entries),
         }

@@ -14,7 +14,7 @@ from sealrl.models.hf import model_config_hash, tokenizer_hash
 from sealrl.trainer.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint,
                                        optimizer_from_flat, optimizer_to_flat, rng_from_flat,
                                        rng_to_flat, save_checkpoint)
-from sealrl.trainer.config import Config, config_diff
+from sealrl.config import Config, config_diff
 
 # Keys that may change between a run and its resumption (they do not change the numbers).
 RESUMABLE_KEYS = {("run", "iterations"), ("run", "resume"), ("run", "progress"), ("run", "max_wall_s"),
@@ -43,7 +43,7 @@ def save_position(run_dir: Path, iteration: int, cfg: Config, roles, sampler, kl
         c_t, c_meta = optimizer_to_flat(roles.critic.optimizer)
         tensors["critic_model"] = dict(roles.critic.model.state_dict())
         tensors["critic_optim"] = c_t
-        state.update(critic_step=roles.critic.step, critic_optim=c_meta)
+        state.update(critic_step=roles.critic.step, critic_skipped=roles.critic.skipped_steps, critic_optim=c_meta)
     return save_checkpoint(run_dir / "checkpoints", iteration, tensors, state)
 
 
@@ -68,11 +68,11 @@ def restore_position(run_dir: Path, cfg: Config, roles, sampler, kl_ctl, data_ha
     actor = roles.actor
     actor.model.load_state_dict(tensors["actor_model"], strict=True)
     optimizer_from_flat(actor.optimizer, tensors["actor_optim"], state["actor_optim"])
-    actor.step, actor.attempt, actor.skipped_steps = state["actor_step"], state["actor_attempt"], state["actor_skipped"]
+    actor.set_counters(step=state["actor_step"], attempt=state["actor_attempt"], skipped_steps=state["actor_skipped"])
     if roles.critic is not None:
         roles.critic.model.load_state_dict(tensors["critic_model"], strict=True)
         optimizer_from_flat(roles.critic.optimizer, tensors["critic_optim"], state["critic_optim"])
-        roles.critic.step = state["critic_step"]
+        roles.critic.set_counters(step=state["critic_step"], skipped_steps=state.get("critic_skipped", 0))
     sampler.load_state_dict(state["sampler"])
     kl_ctl.load_state_dict(state["kl_controller"])
     rng_from_flat(tensors["rng"])

@@ -37,7 +37,7 @@ from sealrl import algos
 from sealrl.experience import ExperienceBatch
 from sealrl.experience.fields import FIELDS, Kind
 from sealrl.experience.store import read_iteration, read_table, write_iteration
-from sealrl.trainer.config import Config, ConfigError, config_diff, load_config
+from sealrl.config import Config, ConfigError, config_diff, load_config
 from sealrl.trainer.derive import derive   # the driver's own function: same numbers by construction
 
 # Keys whose change would need facts the run never produced (another sample set, other log-probs).

@@ -24,7 +24,7 @@ from sealrl.roles.reference import ReferenceWorker
 from sealrl.roles.reward import RewardWorker
 from sealrl.roles.rollout import RolloutWorker
 from sealrl.sync.manifest import build_manifest
-from sealrl.trainer.config import Config, ConfigError
+from sealrl.config import Config, ConfigError
 
 
 # ---- run folder ---------------------------------------------------------------------------

@@ -1,13 +1,14 @@
-"""Data-parallel training steps with torch.distributed (gloo on CPU, nccl on CUDA).
+"""Data-parallel collectives the training roles call (no-ops on one process): torch.distributed,
+gloo on CPU, nccl on CUDA. The ranks themselves are placement/train_group.py.
 
 One optimizer step on N ranks must equal the same step on one process (DESIGN section 9.4):
 
-1. Shard by sample id: every rank takes `split_ids(batch.sample_ids, N)[rank]`, a contiguous
-   range of the SORTED sample ids (join.py). Positions in the driver's tensors and completion
-   order play no part, so every rank computes the same split without talking.
-2. Global normaliser: each rank counts its shard's valid tokens and non-empty rows and the
-   counts are all-reduced (SUM) before any forward (`global_normaliser`). Each rank's loss is
-   then its *share* of the global loss (algos.losses.aggregate), and the shares add up to the
+1. Shard by sample id: every rank holds the WHOLE batch and, in each optimizer step, keeps its
+   rows of the minibatch by sample id (`own_rows`: a contiguous range of the SORTED ids,
+   experience.split_ids). Positions in the driver's tensors and completion order play no part,
+   so every rank computes the same split without talking.
+2. Global normaliser: computed from the whole minibatch's mask on every rank, so each rank's
+   loss is its *share* of the global loss (algos.losses.aggregate) and the shares add up to the
    one-process loss. A per-rank normaliser would weight a short shard's tokens more: wrong.
 3. Gradients: because the shares already add up, the global gradient is the SUM of the ranks'
    gradients. We all-reduce with SUM by hand (`all_reduce_grads`, one flat buffer) rather than
@@ -16,8 +17,8 @@ One optimizer step on N ranks must equal the same step on one process (DESIGN se
    a single explicit collective after the last backward is simpler and does the same
    communication. Ranks with an empty shard still join the collective (zero gradients).
 4. Same optimizer step everywhere: after the all-reduce every rank holds the same gradient, so
-   the same clip and step keep the weights identical; `assert_replicas_identical` checks it
-   by checksum (all ranks' sha256 of the weights must agree) and names the rank that differs.
+   the same clip and step keep the weights identical (the actor facade checks the ranks'
+   weights hashes at every export).
 5. Seeds: `rank_seed(run_seed, rank)` derives each rank's stream (dropout etc.) from the run
    seed; the minibatch order is NOT per-rank: it is drawn on the whole batch from the shared
    seed, then each minibatch is sharded by id.
@@ -33,30 +34,15 @@ passes (`idle_passes`: one row, loss x 0, zero gradient). Full tensors for expor
 and resume are gathered / cut with `full_state`, `full_optimizer_state`, `load_full_state`,
 `load_full_optimizer_state` (collectives when sharded: every rank calls them, in one order);
 rollback snapshots stay sharded. Works on CPU with gloo; the same code runs with nccl on GPUs.
-
-`launch` runs a function on N local processes (tests, single-machine runs).
 """
 from __future__ import annotations
 
 import hashlib
-import io
-import math
-import os
-import queue
-import socket
-import time
-import traceback
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from sealrl import algos
-from sealrl.experience import ExperienceBatch
-from sealrl.models.logprobs import response_log_probs
-from sealrl.placement.join import split_ids
-from sealrl.sync.manifest import tensor_sha256
+from sealrl.experience import ExperienceBatch, split_ids
 
 
 def rank_seed(run_seed: int, rank: int) -> int:
@@ -101,18 +87,6 @@ def all_reduce_sums(values: dict[str, float]) -> dict[str, float]:
     t = torch.tensor([float(values.get(k, 0.0)) for k in keys], dtype=torch.float64, device=_device())
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return dict(zip(keys, t.tolist()))
-
-
-def global_normaliser(local_mask: torch.Tensor, mode: str, horizon: float) -> algos.LossNormaliser:
-    """The normaliser of the whole global batch from this rank's (b, T) mask: counts are
-    all-reduced (SUM). `horizon` must be given: a shard's padded width is not the batch's."""
-    m = local_mask.bool()
-    counts = torch.tensor([int(m.sum()), int(m.any(-1).sum())], dtype=torch.int64)
-    if world()[1] > 1:
-        counts = counts.to(_device())
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM)  # waits for every rank's counts
-    return algos.LossNormaliser(mode=mode, num_tokens=int(counts[0]), num_seqs=int(counts[1]),
-                                horizon=float(horizon))
 
 
 def all_reduce_grads(params: list[torch.nn.Parameter]) -> None:
@@ -263,178 +237,11 @@ def load_full_optimizer_state(optimizer: torch.optim.Optimizer, sd: dict) -> Non
     optimizer.load_state_dict({**sd, "state": state})
 
 
-def weights_checksum(model: torch.nn.Module) -> str:
-    """sha256 over (name, tensor sha256) of the full state dict, in name order."""
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        h.update(f"{name}:{tensor_sha256(_full(t))}".encode())
-    return h.hexdigest()
-
-
 class ReplicaMismatchError(RuntimeError):
     """Data-parallel replicas hold different weights after a step."""
-
-
-def assert_replicas_identical(model: torch.nn.Module) -> str:
-    """Every rank's weights checksum must equal rank 0's; returns the checksum."""
-    mine = weights_checksum(model)
-    rank, size = world()
-    if size == 1:
-        return mine
-    sums: list[str | None] = [None] * size
-    dist.all_gather_object(sums, mine)
-    bad = [r for r, s in enumerate(sums) if s != sums[0]]
-    if bad:
-        raise ReplicaMismatchError(f"weights differ from rank 0 on ranks {bad} "
-                                   f"(rank 0 {sums[0][:12]}, rank {bad[0]} {sums[bad[0]][:12]})")
-    return mine
-
-
-@dataclass(frozen=True, slots=True)
-class PolicyBackward:
-    """Backward pass of the clipped PPO loss on one shard, in micro-batches; each micro-batch's
-    loss is its share of the global normaliser, so nothing is divided afterwards."""
-
-    temperature: float
-    pad_id: int
-    micro_batch_size: int
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-
-    def __call__(self, model, shard: ExperienceBatch, norm: algos.LossNormaliser) -> dict[str, float]:
-        mask, old, adv = shard.get("response_mask"), shard.get("old_log_probs"), shard.get("advantages")
-        width, total = shard.num_response_tokens, 0.0
-        for start in range(0, len(shard), self.micro_batch_size):
-            sl = slice(start, start + self.micro_batch_size)
-            part = shard.samples[sl]
-            lp, _, _ = response_log_probs(model, [list(s.prompt_ids) for s in part],
-                                          [list(s.response_ids) for s in part],
-                                          temperature=self.temperature, pad_id=self.pad_id)
-            lp = torch.nn.functional.pad(lp, (0, width - lp.shape[1]))  # (b, R) like the batch
-            loss, _ = algos.ppo_clip_loss(lp, old[sl], adv[sl], mask[sl], norm,
-                                          clip_low=self.clip_low, clip_high=self.clip_high)
-            loss.backward()
-            total += float(loss.detach())
-        return {"pg_loss_share": total}
-
-
-def data_parallel_step(model, optimizer, shard: ExperienceBatch, norm: algos.LossNormaliser,
-                       backward: Callable, grad_clip: float = 0.0) -> dict[str, float]:
-    """One optimizer step of this rank on its shard: backward (shares of the global loss),
-    SUM all-reduce of gradients, clip on the global gradient, step. Every rank calls it with
-    the same normaliser; it waits for all ranks in the all-reduce. Returns this rank's loss
-    share (sum over ranks = global loss) and the global gradient norm."""
-    optimizer.zero_grad(set_to_none=True)
-    params = [p for p in model.parameters() if p.requires_grad]
-    fsdp = any(_is_dtensor(p) for p in params)
-    if fsdp and not len(shard):  # FSDP2 reduces inside backward: every rank must run one
-        raise ValueError("FSDP2 step with an empty shard: use at most as many ranks as samples")
-    stats = backward(model, shard, norm) if len(shard) else {}
-    sum_grads(params)  # FSDP2: reduce-scattered with AVG in backward, back to the SUM of shares
-    for p in params:  # one process with an empty batch: no grads at all
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grad_norm = clip_grad_norm(params, grad_clip)
-    if math.isfinite(grad_norm):  # same gradient on every rank: all skip or all step
-        optimizer.step()
-    return {**stats, "grad_norm": grad_norm}
-
-
-class DataParallelTrainer:
-    """One data-parallel rank as a role object (hosted in-process, by `launch`, or in a Ray
-    actor after RayWorkerGroup.init_process_group): every rank gets the WHOLE batch, keeps its
-    shard by sample id, and steps with the global normaliser. The reference the actor's
-    data-parallel update is tested against."""
-
-    def __init__(self, model, backward: Callable, loss_agg: str, horizon: float,
-                 lr: float, grad_clip: float = 0.0) -> None:
-        self.model, self.backward, self.loss_agg, self.horizon = model, backward, loss_agg, horizon
-        self.optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-        self.grad_clip = grad_clip
-
-    def step(self, batch: ExperienceBatch) -> dict:
-        rank, size = world()
-        shard = shard_batch(batch, rank, size)
-        norm = global_normaliser(shard.get("response_mask"), self.loss_agg, self.horizon)
-        self.model.train()
-        stats = data_parallel_step(self.model, self.optimizer, shard, norm, self.backward, self.grad_clip)
-        self.model.eval()
-        return {**stats, "rank": rank, "shard_ids": shard.sample_ids, "checksum": assert_replicas_identical(self.model)}
-
-    def parameters(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().clone() for n, p in self.model.named_parameters()}
-
-
-# ---- local multi-process launcher ---------------------------------------------------------
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def _entry(rank, world_size, port, backend, fn, args, results) -> None:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    try:
-        torch.set_num_threads(1)
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size)
-        try:
-            value = fn(rank, world_size, *args)
-            buf = io.BytesIO()  # plain bytes: a tensor sent through the queue would live in
-            torch.save(value, buf)  # shared memory that vanishes when this process exits
-            results.put((rank, "ok", buf.getvalue()))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
-        results.put((rank, "error", traceback.format_exc()))
-
-
-def launch(fn: Callable, world_size: int, *args, timeout_s: float = 120.0,
-           backend: str | None = None) -> list:
-    """Run `fn(rank, world_size, *args)` on `world_size` spawned processes joined in one
-    process group on 127.0.0.1; returns the results in rank order. `fn` and `args` must be
-    picklable (module-level). Waits at most `timeout_s` in all; a failure or a timeout kills
-    the processes started here and raises naming the rank."""
-    import torch.multiprocessing as mp
-
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, fn, args, results), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    out: dict[int, object] = {}
-    try:
-        deadline = time.monotonic() + timeout_s
-        while len(out) < world_size:
-            try:
-                rank, status, value = results.get(timeout=0.5)
-            except queue.Empty:
-                missing = sorted(set(range(world_size)) - set(out))
-                dead = [r for r in missing if procs[r].exitcode is not None]
-                if dead:
-                    raise RuntimeError(f"data-parallel rank {dead[0]} exited with code "
-                                       f"{procs[dead[0]].exitcode} and no result") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"data-parallel ranks {missing} gave no result within {timeout_s}s") from None
-                continue
-            if status == "error":
-                raise RuntimeError(f"data-parallel rank {rank} failed:\n{value}")
-            out[rank] = torch.load(io.BytesIO(value), weights_only=False)  # our own children's bytes
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    return [out[r] for r in range(world_size)]

@@ -16,7 +16,7 @@ from typing import Any, get_type_hints
 
 import yaml
 
-EMBEDDED_MODEL = str(Path(__file__).resolve().parents[1] / "assets" / "arith-tiny")
+EMBEDDED_MODEL = str(Path(__file__).resolve().parent / "assets" / "arith-tiny")
 
 
 class ConfigError(ValueError):
