@@ -1,20 +1,23 @@
 """Fault injection for tests and drills; off unless SEALRL_FAULTS is set.
 
 SEALRL_FAULTS="stage@iteration:action[,...]". Each entry fires once per process, the first time
-the driver passes `stage` in `iteration` (checkpoint stages use the checkpoint's step).
+the driver passes `stage` in `iteration` (checkpoint stages use the checkpoint's step; weight_sync
+the iteration whose version it publishes).
 
-stages:  rollout, reward, reference, old_log_prob, actor_update, before_optimizer_step,
-         weight_sync, checkpoint_before_marker, checkpoint_after_marker, after_checkpoint
+stages:  generate, reward, reference, old_log_prob, update (the trace's stage names: the
+         trainer's drills.py wraps the roles at these stages when SEALRL_FAULTS is set),
+         weight_sync, before_optimizer_step (inside the actor's step), checkpoint_before_marker,
+         checkpoint_after_marker, after_checkpoint (the checkpoint writer)
 actions: raise          raise InjectedFault (the stage fails; the driver's recovery runs)
          kill           SIGKILL this process (no clean-up at all)
          hang           never return; the stage watchdog (run.stage_timeout_s) ends the process
                         naming the stage, and resume=auto continues from the last checkpoint
          delay=SECONDS  sleep, then go on
          corrupt        the caller corrupts what it is about to deliver (weight_sync)
-         twice          the caller delivers its output twice (rollout samples, reward records):
+         twice          the caller delivers its output twice (generate samples, reward records):
                         the second copy is dropped by its key and counted
          late           the caller's call "misses its deadline" and is retried; its real output
-                        arrives after the retry's (rollout, reward) and is rejected by key and
+                        arrives after the retry's (generate, reward) and is rejected by key and
                         attempt, and counted
 
 `point` carries out raise, kill, hang and delay itself and returns the action name, so that a
@@ -26,11 +29,11 @@ import os
 import signal
 import time
 
-STAGES = ("rollout", "reward", "reference", "old_log_prob", "actor_update", "before_optimizer_step",
+STAGES = ("generate", "reward", "reference", "old_log_prob", "update", "before_optimizer_step",
           "weight_sync", "checkpoint_before_marker", "checkpoint_after_marker", "after_checkpoint")
 ACTIONS = ("raise", "kill", "hang", "delay", "corrupt", "twice", "late")
 # Where a caller carries the action out; elsewhere it would silently do nothing, so it is refused.
-DELIVERY = {"corrupt": ("weight_sync",), "twice": ("rollout", "reward"), "late": ("rollout", "reward")}
+DELIVERY = {"corrupt": ("weight_sync",), "twice": ("generate", "reward"), "late": ("generate", "reward")}
 _fired: set[str] = set()
 
 

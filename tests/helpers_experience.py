@@ -37,3 +37,28 @@ def add_rewards(batch):
             for i in range(len(batch))]
     batch.put("reward_records", recs, Role.REWARD, "arith@1")
     return recs
+
+
+class ScriptedRole:
+    """A rollout or reward role whose k-th call answers `replies[k](request list)`; records
+    what it was asked. Drives the production stage loops (trainer/collect.py) in tests."""
+
+    scorer = "v"
+
+    def __init__(self, *replies):
+        self.replies, self.asked = list(replies), []
+
+    def generate(self, requests, contract, version):
+        self.asked.append(list(requests))
+        return self.replies[len(self.asked) - 1](requests)
+
+    def score(self, items):
+        self.asked.append([s.sample_id for s, *_ in items])
+        return self.replies[len(self.asked) - 1](self.asked[-1])
+
+
+def stage_run(rollout=None, reward=None, reward_error="drop_group"):
+    """The parts of trainer.setup.Run that collect.generate / collect.score read."""
+    from types import SimpleNamespace
+    return SimpleNamespace(roles=SimpleNamespace(rollout=rollout, reward=reward), contract=None,
+                           cfg=SimpleNamespace(algorithm=SimpleNamespace(reward_error=reward_error)))

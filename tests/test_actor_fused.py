@@ -32,7 +32,7 @@ def _run(tmp_path, name, fused: bool, monkeypatch, extra=()):
     return calls, rows, olds, load_file(run / "model" / "model.safetensors")
 
 
-@pytest.mark.parametrize("fault", [None, "actor_update@1:raise"])
+@pytest.mark.parametrize("fault", [None, "update@1:raise"])
 def test_fused_old_forward_is_bitwise_the_two_forward_path(tmp_path, monkeypatch, fault):
     if fault:
         monkeypatch.setenv("SEALRL_FAULTS", fault)

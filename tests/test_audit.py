@@ -39,7 +39,7 @@ RUNS = {
     # re-scored, a failed update rolled back and retried as attempt 1
     "faults": ["algorithm.reward_error=retry"],
 }
-FAULTS = "rollout@2:raise,reward@1:raise,actor_update@1:raise"
+FAULTS = "generate@2:raise,reward@1:raise,update@1:raise"
 FLAKY = {"penalty", "drop"}
 REAL_REWARD_FN = trainer_setup.build_reward_fn
 

@@ -44,7 +44,7 @@ def _cli(tmp_path, faults, *extra):
                            *extra], env=env, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("stage", ["rollout@2", "reward@2", "reference@2", "old_log_prob@2", "actor_update@2",
+@pytest.mark.parametrize("stage", ["generate@2", "reward@2", "reference@2", "old_log_prob@2", "update@2",
                                    "before_optimizer_step@2", "weight_sync@2", "checkpoint_before_marker@2",
                                    "checkpoint_after_marker@2", "after_checkpoint@2"])
 def test_kill_at_stage_then_resume_equals_straight_run(tmp_path, straight, stage):
@@ -59,7 +59,7 @@ def test_kill_at_stage_then_resume_equals_straight_run(tmp_path, straight, stage
 
 
 def test_failed_rollout_and_update_recover_in_place(tmp_path, straight):
-    os.environ["SEALRL_FAULTS"] = "rollout@1:raise,before_optimizer_step@2:raise,reward@3:raise"
+    os.environ["SEALRL_FAULTS"] = "generate@1:raise,before_optimizer_step@2:raise,reward@3:raise"
     try:
         train(build_config(None, ARGS + [f"run.output_dir={tmp_path}", "algorithm.reward_error=retry"]))
     finally:
@@ -85,7 +85,7 @@ def _metrics(run):
 
 
 # (fault, the stage the watchdog names, its iteration): checkpoint faults count the checkpoint's step
-@pytest.mark.parametrize("stage, named, it", [("rollout@2", "stage generate (role rollout", 2),
+@pytest.mark.parametrize("stage, named, it", [("generate@2", "stage generate (role rollout", 2),
                                               ("before_optimizer_step@2", "stage update (role actor", 2),
                                               ("checkpoint_after_marker@2", "stage checkpoint (role driver", 1)])
 def test_hung_stage_exits_naming_it_then_resume_equals_straight_run(tmp_path, straight, stage, named, it):
@@ -103,11 +103,11 @@ def test_hung_stage_exits_naming_it_then_resume_equals_straight_run(tmp_path, st
 
 
 def test_duplicate_and_late_deliveries_are_refused_by_key_and_counted(tmp_path, straight):
-    # rollout@2:late: the first generate call "misses its deadline" and is regenerated (same seeds);
+    # generate@2:late: the first generate call "misses its deadline" and is regenerated (same seeds);
     # its samples, identical to the regenerated ones, arrive afterwards and are still refused.
     # reward@3:late: the first scoring call times out, the retry policy re-scores, then the first
     # call's records arrive.
-    os.environ["SEALRL_FAULTS"] = "rollout@1:twice,reward@1:twice,rollout@2:late,reward@3:late"
+    os.environ["SEALRL_FAULTS"] = "generate@1:twice,reward@1:twice,generate@2:late,reward@3:late"
     try:
         train(build_config(None, ARGS + [f"run.output_dir={tmp_path}", "algorithm.reward_error=retry"]))
     finally:
@@ -131,7 +131,7 @@ def test_duplicate_and_late_deliveries_are_refused_by_key_and_counted(tmp_path, 
 
 def test_unknown_and_misplaced_fault_actions_are_refused(monkeypatch):
     from sealrl import faults
-    for plan, words in (("rollout@1:vanish", "hang | delay=SECONDS"), ("reference@1:twice", "only at stage rollout")):
+    for plan, words in (("generate@1:vanish", "hang | delay=SECONDS"), ("reference@1:twice", "only at stage generate")):
         monkeypatch.setenv("SEALRL_FAULTS", plan)
         with pytest.raises(ValueError, match=re.escape(words)):
-            faults.point("rollout", 1)
+            faults.point("generate", 1)

@@ -10,11 +10,11 @@ from sealrl.experience import PolicyVersion, RewardRecord, StopReason, sample_id
 from sealrl.experience.records import SamplingContract
 from sealrl.obs.timeline import stage_shares
 from sealrl.rollout.engine import RolloutSample
-from sealrl.trainer.iteration_metrics import (from_stage_start, preparation_metrics, rollout_metrics,
-                                              share_metrics, version_metrics)
+from sealrl.obs.timeline import StageTimer
+from sealrl.trainer.collect import generate
+from sealrl.trainer.iteration_metrics import preparation_metrics, rollout_metrics, share_metrics, version_metrics
 from sealrl.trainer.ledger import new_iteration
-from sealrl.trainer.state import StateMachine
-from tests.helpers_experience import make_batch
+from tests.helpers_experience import ScriptedRole, make_batch, stage_run
 from tests.test_rollout_engine import make_engine, mixed_requests
 
 V = PolicyVersion("run", 3)
@@ -87,18 +87,13 @@ def test_retried_candidates_complete_on_the_stage_clock():
     shifted by that call's start, the first call's samples are not."""
     ledger, reqs = new_iteration(0, 2, 1, "run", 0, [("p", (1, 4))])
     g = next(iter(reqs))
-    calls = []
+    def first_call(requests):   # candidate 1 fails, found only after 50 ms
+        time.sleep(0.05)
+        return [_sample(g, 0, 0.01), _sample(g, 1, 0.02, StopReason.ERROR)]
 
-    def generate(requests):
-        calls.append(requests)
-        if len(calls) == 1:  # candidate 1 fails, found only after 50 ms
-            time.sleep(0.05)
-            return [_sample(g, 0, 0.01), _sample(g, 1, 0.02, StopReason.ERROR)]
-        return [_sample(g, 1, 0.01)]
-
+    rollout = ScriptedRole(first_call, lambda requests: [_sample(g, 1, 0.01)])
     start = time.perf_counter()
-    timed = from_stage_start(generate, start)
-    groups = ledger.complete(timed(list(reqs.values())), timed, reqs)
+    groups = generate(stage_run(rollout), ledger, reqs, V)
     elapsed = time.perf_counter() - start
     first, retried = groups[g]
     assert 0.01 <= first.finish_s < 0.05
@@ -114,7 +109,7 @@ def test_version_metrics_from_the_ledger():
              _sample(gc, 0, stop=StopReason.ERROR)]
     retry = lambda requests: [_sample(r.group_id, c) for r in requests for c in r.candidates  # noqa: E731
                               if r.group_id == gb]
-    groups = ledger.complete(first, retry, reqs)
+    groups = generate(stage_run(ScriptedRole(lambda requests: first, retry)), ledger, reqs, V)
     ledger.commit(list(groups))
     trained = [s.group_id for ss in groups.values() for s in ss]
     m = version_metrics(ledger.rows(), 2, trained, version_step=7)
@@ -138,19 +133,19 @@ def test_preparation_metrics_golden():
                                                                        "prep/reference_tokens_per_s"}
 
 
-def test_queue_time_is_measured_by_the_state_machine():
-    sm = StateMachine()
-    sm.start_iteration(0)
-    with sm.stage("reward", "reward"):
+def test_queue_time_is_measured_by_the_stage_timer():
+    timer = StageTimer()
+    timer.start_iteration(0)
+    with timer.stage("reward", "reward"):
         time.sleep(0.01)
     time.sleep(0.04)  # the driver builds the batch: the reference waits
-    with sm.stage("reference", "reference"):
+    with timer.stage("reference", "reference"):
         time.sleep(0.02)
-    m = preparation_metrics(sm.stage_spans, make_batch(), ("reference",))
+    m = preparation_metrics(timer.stage_spans, make_batch(), ("reference",))
     assert 0.04 <= m["prep/reference_queue_s"] < 0.5
-    assert m["prep/reference_tokens_per_s"] == 20 / sm.stage_seconds["reference"]
-    sm.start_iteration(1)
-    assert sm.stage_spans == []
+    assert m["prep/reference_tokens_per_s"] == 20 / timer.stage_seconds["reference"]
+    timer.start_iteration(1)
+    assert timer.stage_spans == []
 
 
 def test_share_metrics_is_the_timeline_definition():

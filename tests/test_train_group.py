@@ -118,7 +118,7 @@ def test_actor_group_of_one_in_process_rank_is_the_plain_actor():
 def test_grpo_two_actor_ranks_give_the_one_process_update_through_a_resume(tmp_path, ray_session, monkeypatch,
                                                                            local_grpo, strategy):
     local, dp_args = local_grpo, ["placement.actor_workers=2", f"placement.dp_strategy={strategy}", *DP]
-    monkeypatch.setenv("SEALRL_FAULTS", "actor_update@0:raise")   # every rank restores its snapshot, then retries
+    monkeypatch.setenv("SEALRL_FAULTS", "update@0:raise")   # every rank restores its snapshot, then retries
     monkeypatch.setattr(faults, "_fired", set())                   # entries fire once per process
     dp = run(tmp_path, "dp", "algorithm.name=grpo", "run.iterations=1", *dp_args)
     monkeypatch.delenv("SEALRL_FAULTS")

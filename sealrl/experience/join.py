@@ -97,3 +97,13 @@ class Join:
         if missing:
             raise MissingResultsError(self.what, missing)
         return {k: self.accepted[k] for k in sorted(self.accepted)}
+
+
+class LateResults(RuntimeError):
+    """A call missed its deadline, and what it produced (`results`) arrives only afterwards:
+    the caller counts the call as failed, retries, and offers `results` to the join under the
+    missed attempt once the retry is decided, where they are refused as late and counted."""
+
+    def __init__(self, message: str, results: list) -> None:
+        super().__init__(message)
+        self.results = results

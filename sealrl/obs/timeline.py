@@ -7,6 +7,9 @@ not covered by a timed stage (driver bookkeeping, metrics, experience writes) is
 from __future__ import annotations
 
 import json
+import os
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 REQUIRED_EVENT_KEYS = ("name", "ph", "ts", "pid", "tid")
@@ -72,3 +75,60 @@ def read_trace(path: Path) -> list[dict]:
         if not isinstance(e["ts"], (int, float)):
             raise ValueError(f"{path}: event {i} ({e['name']!r}) has a non-numeric ts")
     return events
+
+
+class StageTimer:
+    """Times the driver's stages: seconds per stage this iteration (`stage_seconds`), their
+    (stage, start, end) spans in end order (`stage_spans`: the gaps between stages are the queue
+    times of docs/metrics.md), and the events of `trace.json` (complete events for stages,
+    instant events for state-machine phases), appended at every `flush`."""
+
+    def __init__(self, trace_path: Path | None = None, workers: dict[str, str] | None = None):
+        self.trace_path = trace_path
+        self.workers = dict(workers or {})   # role -> who does its stages (named in every event)
+        self.iteration, self.version = 0, ""
+        self.stage_seconds: dict[str, float] = {}
+        self.stage_spans: list[tuple[str, float, float]] = []
+        self._events: list[dict] = []
+        self._t0 = time.perf_counter()
+
+    def start_iteration(self, iteration: int) -> None:
+        self.iteration, self.stage_seconds, self.stage_spans = iteration, {}, []
+
+    def worker(self, role: str) -> str:
+        return self.workers.get(role, f"pid {os.getpid()}")
+
+    def mark(self, phase: str, version: str) -> None:
+        """A state-machine phase entered (an instant event)."""
+        self.version = version
+        self._events.append({"name": phase, "ph": "i", "s": "g", "ts": self._now(), "pid": 0, "tid": 0,
+                             "args": {"iteration": self.iteration, "version": version}})
+
+    @contextmanager
+    def stage(self, name: str, role: str):
+        start, t = self._now(), time.perf_counter()
+        try:
+            yield
+        finally:
+            end = time.perf_counter()
+            self.stage_seconds[name] = self.stage_seconds.get(name, 0.0) + end - t
+            self.stage_spans.append((name, t, end))
+            self._events.append({"name": name, "cat": role, "ph": "X", "ts": start, "dur": (end - t) * 1e6,
+                                 "pid": 0, "tid": role,
+                                 "args": {"iteration": self.iteration, "role": role, "worker": self.worker(role),
+                                          "version": self.version}})
+
+    def _now(self) -> float:
+        return (time.perf_counter() - self._t0) * 1e6
+
+    def flush(self) -> None:
+        """Append this process's events to trace.json (kept valid JSON at every flush)."""
+        if self.trace_path is None or not self._events:
+            return
+        old = []
+        if self.trace_path.is_file():
+            old = json.loads(self.trace_path.read_text()).get("traceEvents", [])
+        tmp = self.trace_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"traceEvents": old + self._events}))
+        os.replace(tmp, self.trace_path)
+        self._events = []

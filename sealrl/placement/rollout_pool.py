@@ -74,5 +74,10 @@ class RolloutPool:
             self.join_counts[k] = self.join_counts.get(k, 0.0) + v
         return samples
 
+    def take_served(self) -> list[dict]:
+        """Who served which sample id, per generate call since the last take (then forgotten)."""
+        served, self.served = self.served, []
+        return served
+
     def close(self) -> None:
         self.group.close()

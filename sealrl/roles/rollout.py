@@ -44,3 +44,7 @@ class RolloutWorker:
                  version: PolicyVersion) -> list[RolloutSample]:
         """GENERATING(v): refuses any version other than the active one."""
         return self.engine.generate(requests, contract, version)
+
+    def take_served(self) -> list[dict]:
+        """Who served which sample id (a replica pool's record): here, always this process."""
+        return []

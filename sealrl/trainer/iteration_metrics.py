@@ -2,10 +2,8 @@
 ledger's rows, the sealed batch and stage times. Every key is defined in docs/metrics.md."""
 from __future__ import annotations
 
-import dataclasses
-import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -83,16 +81,6 @@ def batch_metrics(batch: ExperienceBatch, consumed_step: int, sampled_version_st
     # steps s+1 .. consumed_step; the age is how many steps used it (0 lag at the first).
     out["update/experience_age_steps"] = float(consumed_step - sampled_version_step)
     return out
-
-
-def from_stage_start(generate: Callable, stage_start: float) -> Callable:
-    """`generate` whose samples' `finish_s` count from `stage_start` (a time.perf_counter()
-    value) instead of from the start of their own call: a retried candidate, sampled by a later
-    call, then completes as late as it really did within the generate stage."""
-    def call(requests):
-        offset = time.perf_counter() - stage_start
-        return [dataclasses.replace(s, finish_s=offset + s.finish_s) for s in generate(requests)]
-    return call
 
 
 def version_metrics(ledger_rows: list[dict], n: int, trained_group_ids: Sequence[str],

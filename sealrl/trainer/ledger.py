@@ -8,8 +8,6 @@ unexpected deliveries are refused and counted. Every outcome is counted and writ
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Callable
-
 from sealrl.experience import Join, RewardRecord, RewardStatus, StopReason, digest, group_id
 from sealrl.rollout.engine import GenerationRequest, RolloutSample
 
@@ -39,32 +37,38 @@ class IterationLedger:
     max_retries: int
     groups: dict[str, GroupEntry] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)   # failed generate calls, with the error
-    attempt: int = 0                                     # the generate call being joined (0 = first)
+    attempt: int = 0                                     # the latest generate call (0 = first)
     rollout: Join = field(default_factory=lambda: Join("rollout"))   # keyed (group id, candidate)
     rewards: Join = field(default_factory=lambda: Join("reward"))    # keyed sample id
-    reward_attempt: int = -1                             # the scoring call being joined
+    reward_attempt: int = -1                             # the latest scoring call
 
-    # ---- rollout completion -------------------------------------------------------------
-    def complete(self, samples: list[RolloutSample],
-                 regenerate: Callable[[list[GenerationRequest]], list[RolloutSample]],
-                 requests: dict[str, GenerationRequest]) -> dict[str, list[RolloutSample]]:
-        """Join samples by (group, candidate); regenerate failed or missing candidates with the
-        same request seed up to `max_retries`; drop groups that stay incomplete. `samples` are
-        the first generate call's (attempt 0); the join closes on return."""
+    # ---- rollout completion: the driver loops over attempts (collect.generate) -------------
+    def expect_samples(self, requests: dict[str, GenerationRequest]) -> None:
+        """Attempt 0 asks for every candidate of every group."""
         self.rollout.ask([(g, c) for g in requests for c in range(self.n)], 0)
-        self.deliver(samples, 0)
-        for attempt in range(1, self.max_retries + 2):
-            missing = {g: tuple(c for c in range(self.n) if (g, c) not in self.rollout.accepted) for g in requests}
-            missing = {g: c for g, c in missing.items() if c}
-            if not missing or attempt > self.max_retries:
-                break
-            self.attempt = attempt
-            self.rollout.ask([(g, c) for g, cands in missing.items() for c in cands], attempt)
-            retry = [GenerationRequest(g, requests[g].prompt_ids, requests[g].seed, cands)
-                     for g, cands in missing.items()]
-            self.deliver(regenerate(retry), attempt)
-            for g, cands in missing.items():
-                self.groups[g].regenerated += len(cands)
+
+    def deliver(self, samples: list[RolloutSample], attempt: int) -> None:
+        """Samples of generate call `attempt`, whenever they arrive (see experience.join).
+        Failed samples (stop reason error) are left missing, to be regenerated."""
+        for s in samples:
+            if s.stop_reason is not StopReason.ERROR:
+                self.rollout.offer((s.group_id, s.candidate), attempt, s)
+
+    def retry_requests(self, requests: dict[str, GenerationRequest]) -> list[GenerationRequest]:
+        """The next attempt's requests: the failed or missing candidates of each group, with the
+        same request seed; none when every candidate arrived or after `max_retries` retries."""
+        missing = {g: tuple(c for c in range(self.n) if (g, c) not in self.rollout.accepted) for g in requests}
+        missing = {g: c for g, c in missing.items() if c}
+        if not missing or self.attempt >= self.max_retries:
+            return []
+        self.attempt += 1
+        self.rollout.ask([(g, c) for g, cands in missing.items() for c in cands], self.attempt)
+        for g, cands in missing.items():
+            self.groups[g].regenerated += len(cands)
+        return [GenerationRequest(g, requests[g].prompt_ids, requests[g].seed, cands) for g, cands in missing.items()]
+
+    def complete_groups(self, requests: dict[str, GenerationRequest]) -> dict[str, list[RolloutSample]]:
+        """Close the join: the groups with every candidate; the others are dropped, recorded."""
         self.rollout.close(range(self.attempt + 1))
         complete = {}
         for g in requests:
@@ -77,50 +81,38 @@ class IterationLedger:
                              f"({self.n - cands.count(None)}/{self.n} candidates){last}")
         return complete
 
-    def deliver(self, samples: list[RolloutSample], attempt: int) -> None:
-        """Samples of generate call `attempt`, whenever they arrive (see experience.join). Failed
-        samples (stop reason error) are left missing, to be regenerated."""
-        for s in samples:
-            if s.stop_reason is not StopReason.ERROR:
-                self.rollout.offer((s.group_id, s.candidate), attempt, s)
-
-    # ---- rewards ------------------------------------------------------------------------
-    def score(self, ids: list[str], call: Callable[[int], list[tuple[str, RewardRecord]]],
-              scorer: str) -> dict[str, RewardRecord]:
-        """One scoring attempt for `ids`: `call(attempt)` delivers (sample id, record) pairs,
-        joined by sample id (see experience.join). A sample left without a record gets an error
-        record naming the scorer and the counts: never a misaligned or missing score."""
+    # ---- rewards: the driver loops over scoring attempts (collect.score) -----------------
+    def expect_records(self, ids: list[str]) -> int:
+        """A new scoring attempt for `ids`; returns its number."""
         self.reward_attempt += 1
-        attempt = self.reward_attempt
-        self.rewards.ask(ids, attempt)
-        pairs = call(attempt)
-        self.deliver_rewards(pairs, attempt)
+        self.rewards.ask(ids, self.reward_attempt)
+        return self.reward_attempt
+
+    def deliver_rewards(self, pairs: list[tuple[str, RewardRecord]], attempt: int) -> None:
+        """(sample id, record) pairs of scoring call `attempt`, whenever they arrive."""
+        for sample_id, record in pairs:
+            self.rewards.offer(sample_id, attempt, record)
+
+    def records(self, ids: list[str], attempt: int, scorer: str, delivered: int) -> dict[str, RewardRecord]:
+        """Close scoring attempt `attempt`: its accepted record per id. A sample left without a
+        record gets an error record naming the scorer and the counts: never a misaligned or
+        missing score."""
         self.rewards.close([attempt])
-        lost = f"the reward role delivered {len(pairs)} records for {len(ids)} samples"
+        lost = f"the reward role delivered {delivered} records for {len(ids)} samples"
         return {i: self.rewards.accepted.get(i) or RewardRecord.failure(
                     RewardStatus.ERROR, scorer, f"scorer {scorer!r}: {lost}; none for sample {i!r}")
                 for i in ids}
 
-    def deliver_rewards(self, pairs: list[tuple[str, RewardRecord]], attempt: int) -> None:
-        """Records of scoring call `attempt`, whenever they arrive (see experience.join)."""
-        for sample_id, record in pairs:
-            self.rewards.offer(sample_id, attempt, record)
-
-    # ---- reward policy ------------------------------------------------------------------
-    def apply_reward_policy(self, groups: dict[str, list[RolloutSample]], records: dict[str, RewardRecord],
-                            policy: str, rescore: Callable[[list[str]], dict[str, RewardRecord]]
-                            ) -> dict[str, list[RolloutSample]]:
-        """retry: score errored samples again (up to max_retries), then drop the group;
-        drop_group: drop any group with an errored sample; penalty: keep it (the driver gives
-        it the configured penalty score; its record keeps the error status)."""
+    def count_reward_errors(self, groups: dict[str, list[RolloutSample]], records: dict[str, RewardRecord]) -> None:
+        """Errored records of each group as first scored (before any retry)."""
         for g, samples in groups.items():
             self.groups[g].reward_errors = sum(not records[s.sample_id].ok for s in samples)
-        if policy == "retry":
-            for _ in range(self.max_retries):
-                bad = [s.sample_id for ss in groups.values() for s in ss if not records[s.sample_id].ok]
-                if not bad:
-                    break
-                records.update(rescore(bad))
+
+    def apply_reward_policy(self, groups: dict[str, list[RolloutSample]], records: dict[str, RewardRecord],
+                            policy: str) -> dict[str, list[RolloutSample]]:
+        """After any retries (policy retry): drop_group and retry drop a group with an errored
+        sample; penalty keeps it (the driver gives it the configured penalty score; its record
+        keeps the error status)."""
         kept = {}
         for g, samples in groups.items():
             errors = [records[s.sample_id] for s in samples if not records[s.sample_id].ok]

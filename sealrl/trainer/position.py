@@ -10,6 +10,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
+from sealrl import faults
 from sealrl.models.hf import model_config_hash, tokenizer_hash
 from sealrl.trainer.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint,
                                        optimizer_from_flat, optimizer_to_flat, rng_from_flat,
@@ -44,7 +45,9 @@ def save_position(run_dir: Path, iteration: int, cfg: Config, roles, sampler, kl
         tensors["critic_model"] = dict(roles.critic.model.state_dict())
         tensors["critic_optim"] = c_t
         state.update(critic_step=roles.critic.step, critic_skipped=roles.critic.skipped_steps, critic_optim=c_meta)
-    return save_checkpoint(run_dir / "checkpoints", iteration, tensors, state)
+    folder = save_checkpoint(run_dir / "checkpoints", iteration, tensors, state)
+    faults.point("after_checkpoint", iteration)
+    return folder
 
 
 def restore_position(run_dir: Path, cfg: Config, roles, sampler, kl_ctl, data_hash: str) -> dict | None:

@@ -1,5 +1,6 @@
-"""Everything the driver needs before its loop: the run folder, data, reward function, roles.
-Kept apart from the loop so that the loop reads like the state machine."""
+"""Everything the driver needs before its loop: the run folder, data, reward function, roles,
+and the one context object (`Run`) the iteration's stages share. Kept apart from the loop so
+that the loop reads like the state machine."""
 from __future__ import annotations
 
 import functools
@@ -7,6 +8,7 @@ import json
 import os
 import platform
 import subprocess
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +27,10 @@ from sealrl.roles.reward import RewardWorker
 from sealrl.roles.rollout import RolloutWorker
 from sealrl.sync.manifest import build_manifest
 from sealrl.config import Config, ConfigError
+from sealrl.experience import SamplingContract
+from sealrl.obs.timeline import StageTimer
+from sealrl.trainer.state import Phase, StateMachine
+from sealrl.trainer.watchdog import Watchdog
 
 
 # ---- run folder ---------------------------------------------------------------------------
@@ -264,3 +270,47 @@ def ray_rollout_pool(cfg: Config, model, tokenizer, closers: list, shared=None):
     rollout = RolloutPool(group, timeout_s=p.timeout_s)
     closers.append(rollout.close)
     return rollout
+
+
+# ---- the context of one run ---------------------------------------------------------------
+
+@dataclass
+class Run:
+    """What every stage of an iteration reads: the config, the run folder, the roles, the data
+    and sampler, the KL controller, the sampling contract, and the state machine with its stage
+    timer and watchdog."""
+    cfg: Config
+    dir: Path
+    roles: Roles
+    data: Data
+    sampler: PromptSampler
+    kl_ctl: object
+    contract: SamplingContract
+    sm: StateMachine
+    timer: StageTimer
+    watchdog: Watchdog
+
+    @contextmanager
+    def stage(self, name: str, role: str):
+        """A timed stage (trace.json, time/<name>_s) under the stage deadline."""
+        t = self.timer
+        with t.stage(name, role), self.watchdog.guard(name, role, t.worker(role), t.iteration, t.version):
+            yield
+
+    def to(self, phase: Phase, version: str) -> None:
+        """A checked transition of the state machine, marked in the trace."""
+        self.sm.to(phase, version)
+        self.timer.mark(phase.value, version)
+
+
+def build_run(cfg: Config, run_dir: Path, roles: Roles, data: Data) -> Run:
+    from sealrl import algos
+    a = cfg.algorithm
+    kl_ctl = (algos.AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon) if a.kl_target > 0
+              else algos.FixedKLController(a.kl_coef))
+    r = cfg.rollout
+    contract = SamplingContract(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                max_new_tokens=r.max_new_tokens, stop_token_ids=(roles.tokenizer.eos_token_id,),
+                                n=r.n, seed=cfg.run.seed)
+    return Run(cfg, run_dir, roles, data, build_sampler(cfg, data), kl_ctl, contract, StateMachine(),
+               StageTimer(run_dir / "trace.json", roles.workers()), Watchdog(cfg.run.stage_timeout_s, run_dir))

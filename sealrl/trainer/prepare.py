@@ -1,0 +1,60 @@
+"""From complete, scored groups to sealed experience: the batch's facts (identity, tokens, stop
+reasons, rollout log-probs, reward records), then the teacher-forced fields each from its own
+role (reference log-probs, critic values, old log-probs), then the seal (EXPERIENCE_SEALED)."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from sealrl.experience import ExperienceBatch, RewardRecord, Role, SampleMeta, pad_token_rows
+from sealrl.rollout.engine import RolloutSample
+
+
+def build_batch(run, it: int, kept: dict[str, list[RolloutSample]], records: dict[str, RewardRecord],
+                prompt_of, texts: dict[str, str], version) -> ExperienceBatch:
+    """EXPERIENCE facts from complete groups. `prompt_of(group id)` is the group's prompt;
+    `texts` the decoded response of each sample id."""
+    samples = [s for g in kept for s in kept[g]]
+    metas = [SampleMeta(sample_id=s.sample_id, group_id=s.group_id, prompt_id=prompt_of(s.group_id).prompt_id,
+                        prompt_ids=tuple(s.prompt_ids), response_ids=tuple(s.response_ids),
+                        stop_reason=s.stop_reason, policy_version=s.policy_version.id, seed=s.seed,
+                        prompt_text=prompt_of(s.group_id).text, response_text=texts[s.sample_id],
+                        data_source=prompt_of(s.group_id).data_source,
+                        ground_truth=json.dumps(prompt_of(s.group_id).ground_truth, sort_keys=True))
+             for s in samples]
+    contract = run.contract
+    batch = ExperienceBatch(run.cfg.run.name, it, metas, contract, [version])
+    width = batch.num_response_tokens
+    batch.put("response_mask", pad_token_rows([[1] * len(s.response_ids) for s in samples], width, torch.bool),
+              Role.ROLLOUT, version.id)
+    batch.put("rollout_log_probs", pad_token_rows([s.rollout_log_probs for s in samples], width, torch.float32),
+              Role.ROLLOUT, version.id)
+    if contract.filtered:
+        batch.put("filtered_log_probs", pad_token_rows([s.filtered_log_probs for s in samples], width, torch.float32),
+                  Role.ROLLOUT, version.id)
+    first = records[samples[0].sample_id]
+    batch.put("reward_records", [records[s.sample_id] for s in samples], Role.REWARD,
+              f"{first.scorer}@{first.scorer_version}" if first.scorer_version else "")
+    return batch
+
+
+def prepare(run, batch: ExperienceBatch, version) -> None:
+    """Reference log-probs (when a KL term is on), critic values (PPO) and old log-probs:
+    recomputed by the actor before any update, or the behaviour log-probs themselves (bypass)."""
+    roles = run.roles
+    if roles.reference is not None:
+        with run.stage("reference", "reference"):
+            roles.reference.compute(batch)
+    if roles.critic is not None:
+        with run.stage("critic_values", "critic"):
+            roles.critic.compute(batch)
+    with run.stage("old_log_prob", "actor"):
+        if run.cfg.algorithm.old_log_prob == "recompute":
+            roles.actor.compute_old_log_probs(batch, version)
+        else:  # bypass: the behaviour log-probs are the proximal anchor
+            batch.put("old_log_probs", batch.get("rollout_log_probs").clone(), Role.ROLLOUT, version.id)
+
+
+def seal(batch: ExperienceBatch) -> None:
+    batch.seal(required=("response_mask", "rollout_log_probs", "reward_records", "old_log_probs"))

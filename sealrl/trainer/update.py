@@ -1,0 +1,41 @@
+"""UPDATING_FROM(v): advantages on the driver (derive.py), then the critic and actor updates,
+rolled back and tried again when they fail; then the adaptive KL controller's step."""
+from __future__ import annotations
+
+from sealrl.experience import ExperienceBatch
+from sealrl.trainer.derive import derive
+
+
+def update(run, batch: ExperienceBatch, version, it: int) -> dict:
+    cfg = run.cfg
+    with run.stage("advantage", "driver"):
+        metrics = derive(batch, cfg.algorithm, run.kl_ctl.beta, cfg.rollout.max_new_tokens,
+                         f"{cfg.algorithm.name}@{it}")
+    with run.stage("update", "actor"):
+        metrics.update(update_with_rollback(run, batch, version, it))
+    metrics["kl/beta"] = run.kl_ctl.beta          # the beta this iteration used
+    if cfg.algorithm.kl_target > 0:
+        run.kl_ctl.update(metrics.get("kl/ref_kl", 0.0), len(batch))
+    return metrics
+
+
+def update_with_rollback(run, batch: ExperienceBatch, version, it: int) -> dict:
+    """Critic and actor updates. A failed update restores the committed weights and optimizer
+    state and is tried again (update attempt + 1) up to run.update_retries times; the last
+    failure is raised naming the stage."""
+    retries, roles = run.cfg.run.update_retries, run.roles
+    for attempt in range(retries + 1):
+        snaps = [(r, r.snapshot()) for r in (roles.critic, roles.actor) if r is not None and retries]
+        roles.actor.attempt = attempt
+        try:
+            metrics = roles.critic.update(batch) if roles.critic is not None else {}
+            metrics.update(roles.actor.update(batch, version, it, seed=run.cfg.run.seed * 100003 + it))
+            metrics["update/attempts"] = attempt + 1
+            return metrics
+        except Exception as e:  # noqa: BLE001 - rolled back, retried, then re-raised
+            for role, snap in snaps:
+                role.restore(snap)
+            if attempt == retries:
+                raise RuntimeError(f"iteration {it}: update failed at attempt {attempt + 1} "
+                                   f"({type(e).__name__}: {e}); weights and optimizer restored") from e
+    raise AssertionError("unreachable")

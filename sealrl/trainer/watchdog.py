@@ -1,0 +1,71 @@
+"""The stage watchdog: every driver stage runs under a deadline (`run.stage_timeout_s`, 0 =
+none), a timer thread armed when the stage starts and cancelled when it ends.
+
+A stage that hangs in this process cannot be pre-empted safely, so on expiry the watchdog writes
+the failure (stage, role, worker, iteration, version) to stderr and to `failures.jsonl` in the
+run folder, kills this process's children (reward scorers, a local Ray) and ends the process
+with exit status STAGE_TIMEOUT_EXIT: nothing after the last committed checkpoint is kept, and
+`resume=auto` continues from it exactly. Work in other processes has its own deadlines (reward
+pool, Ray calls); this one bounds the driver's own waits on top of them."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+STAGE_TIMEOUT_EXIT = 4   # exit status of a process ended by the stage watchdog
+
+
+class Watchdog:
+    def __init__(self, timeout_s: float, run_dir: Path | None = None):
+        self.timeout_s, self.run_dir = timeout_s, run_dir
+
+    @contextmanager
+    def guard(self, stage: str, role: str, worker: str, iteration: int, version: str):
+        """The deadline of one stage: armed on entry, cancelled on exit however it exits."""
+        if not self.timeout_s:
+            yield
+            return
+        failure = {"stage": stage, "role": role, "worker": worker, "iteration": iteration,
+                   "version": version, "timeout_s": self.timeout_s}
+        timer = threading.Timer(self.timeout_s, _stage_timed_out, (failure, self.run_dir))
+        timer.daemon = True   # never keeps a finished process alive
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+
+
+def _stage_timed_out(failure: dict, folder: Path | None) -> None:
+    """Watchdog expiry (on the timer thread): name the stage, record it, end the process."""
+    f = failure
+    message = (f"sealrl: error: stage {f['stage']} (role {f['role']}, worker {f['worker']}, iteration "
+               f"{f['iteration']}, policy version {f['version'] or '-'}) did not finish within "
+               f"{f['timeout_s']:g} s (run.stage_timeout_s); exiting with status {STAGE_TIMEOUT_EXIT}, "
+               f"resume=auto continues from the last committed checkpoint")
+    try:
+        print(message, file=sys.stderr, flush=True)
+        if folder is not None:
+            with open(folder / "failures.jsonl", "a") as out:
+                out.write(json.dumps({**f, "time": time.time(), "message": message}) + "\n")
+                out.flush()
+                os.fsync(out.fileno())
+    finally:
+        _kill_children()              # e.g. a reward worker hung in its scorer: no orphan left
+        os._exit(STAGE_TIMEOUT_EXIT)   # the hung main thread cannot be unwound; the OS frees the rest
+
+
+def _kill_children() -> None:
+    """SIGKILL every direct child process (Linux /proc; elsewhere nothing is found)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                os.kill(int(stat.parent.name), signal.SIGKILL)
+        except (OSError, IndexError, ValueError):   # exited while we looked
+            continue
