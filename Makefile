@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: test install demo clean browser
+.PHONY: test lint install demo clean browser
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,11 @@ browser:
 
 test: $(STAMP) browser
 	$(BIN)/python -m pytest -q tests
+
+# Style and the size budget (no package file over 500 lines, no function over 80).
+lint: $(STAMP)
+	$(BIN)/ruff check sealrl tests benchmarks scripts examples
+	$(BIN)/python scripts/check_size.py sealrl
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

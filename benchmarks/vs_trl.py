@@ -105,9 +105,9 @@ def step_flops(n: int, prompt_tokens: list[int], response_tokens: list[float]) -
 # ---- sealrl -------------------------------------------------------------------------------
 
 def run_sealrl(args, workdir: Path, name: str) -> dict:
+    from sealrl.config import build_config
     from sealrl.experience.store import read_iteration
     from sealrl.obs.metrics import read_metrics
-    from sealrl.config import build_config
     from sealrl.trainer.driver import train
     cfg = build_config(None, [
         f"run.output_dir={workdir}", f"run.name={name}", f"run.iterations={args.steps}", "run.progress=false",
@@ -116,7 +116,7 @@ def run_sealrl(args, workdir: Path, name: str) -> dict:
         f"rollout.n={N_GEN}", "rollout.temperature=1.0", f"rollout.max_new_tokens={args.max_new_tokens}",
         "algorithm.name=grpo", f"algorithm.kl_coef={BETA}", "algorithm.kl_in=loss", "algorithm.kl_estimator=k3",
         f"algorithm.old_log_prob={args.old_log_prob}",
-        f"actor.lr={LR}", "actor.lr_schedule=constant", "actor.loss=ppo", "actor.loss_agg=token-mean",
+        f"actor.lr={LR}", "actor.lr_schedule=constant", "actor.loss=clip", "actor.loss_agg=token-mean",
         "actor.clip_low=0.2", "actor.clip_high=0.2", "actor.grad_clip=1.0", "actor.micro_batch_size=128",
     ])
     train(cfg)

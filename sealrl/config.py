@@ -16,6 +16,8 @@ from typing import Any, get_type_hints
 
 import yaml
 
+from sealrl import algos
+
 EMBEDDED_MODEL = str(Path(__file__).resolve().parent / "assets" / "arith-tiny")
 
 
@@ -26,6 +28,11 @@ class ConfigError(ValueError):
 def _check(ok: bool, key: str, rule: str, value: Any) -> None:
     if not ok:
         raise ConfigError(f"{key} must be {rule}, got {value!r}")
+
+
+def _check_one_of(value: str, options, key: str) -> None:
+    """`options`: the algorithm layer's own table of names (defined once, in sealrl.algos)."""
+    _check(value in options, key, " | ".join(options), value)
 
 
 LOGGERS = ("tensorboard", "wandb", "mlflow")
@@ -101,9 +108,6 @@ class RolloutConfig:
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", self.max_new_tokens)
 
 
-ALGORITHMS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo")
-
-
 @dataclass(kw_only=True, slots=True)
 class AlgorithmConfig:
     name: str = "grpo"                     # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | ppo
@@ -111,7 +115,7 @@ class AlgorithmConfig:
     lam: float = 0.95                      # GAE lambda (PPO)
     kl_coef: float = 0.0                   # KL coefficient; 0 loads no reference model
     kl_in: str = "loss"                    # loss | reward (shaped token rewards)
-    kl_estimator: str = "k3"               # k1 | abs | k2 | k3 | k1+ | k3+ (straight-through)
+    kl_estimator: str = "k3"               # k1 | abs | k2 | k3 | k1+ | k3+ | abs+ (+: straight-through)
     kl_target: float = 0.0                 # > 0: adaptive KL controller towards this KL (Ziegler et al.)
     kl_horizon: int = 10000                # adaptive controller horizon
     whiten_advantages: bool = False        # whiten advantages over the batch (explicit option)
@@ -125,17 +129,15 @@ class AlgorithmConfig:
     overlong_penalty: float = 1.0          # maximal soft penalty
 
     def __post_init__(self):
-        _check(self.name in ALGORITHMS, "algorithm.name", " | ".join(ALGORITHMS), self.name)
+        _check_one_of(self.name, algos.ADVANTAGE_ESTIMATORS, "algorithm.name")
         _check(0 <= self.gamma <= 1, "algorithm.gamma", "in [0, 1]", self.gamma)
         _check(0 <= self.lam <= 1, "algorithm.lam", "in [0, 1]", self.lam)
         _check(self.kl_coef >= 0, "algorithm.kl_coef", ">= 0", self.kl_coef)
         _check(self.kl_in in ("loss", "reward"), "algorithm.kl_in", "loss or reward", self.kl_in)
-        _check(self.kl_estimator in ("k1", "abs", "k2", "k3", "k1+", "k3+"), "algorithm.kl_estimator",
-               "k1 | abs | k2 | k3 | k1+ | k3+", self.kl_estimator)
+        _check_one_of(self.kl_estimator, algos.KL_ESTIMATORS, "algorithm.kl_estimator")
         _check(self.old_log_prob in ("recompute", "bypass"), "algorithm.old_log_prob",
                "recompute or bypass", self.old_log_prob)
-        _check(self.correction in ("none", "token_is", "seq_is", "token_reject", "seq_reject"),
-               "algorithm.correction", "none | token_is | seq_is | token_reject | seq_reject", self.correction)
+        _check_one_of(self.correction, algos.CORRECTIONS, "algorithm.correction")
         _check(self.reward_error in ("drop_group", "retry", "penalty"), "algorithm.reward_error",
                "drop_group | retry | penalty", self.reward_error)
         _check(self.overlong in ("none", "mask", "soft"), "algorithm.overlong", "none | mask | soft", self.overlong)
@@ -154,8 +156,8 @@ class ActorConfig:
     mini_batch_size: int = 0               # samples per optimizer step (0 = the whole batch)
     micro_batch_size: int = 64             # samples per forward/backward (gradient accumulation)
     grad_clip: float = 1.0                 # max global grad norm (0 = off)
-    loss: str = "ppo"                      # ppo | gspo | pg
-    loss_agg: str = "token-mean"           # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
+    loss: str = "clip"                     # clip (clipped surrogate: PPO, GRPO, DAPO) | gspo | pg (no ratio)
+    loss_agg: str = "token-mean"           # one of algos.AGG_MODES (token-mean, seq-mean-token-mean, ...)
     clip_low: float = 0.2                  # PPO ratio lower clip (1 - clip_low)
     clip_high: float = 0.2                 # PPO ratio upper clip (1 + clip_high); > clip_low = clip-higher
     dual_clip: float = 0.0                 # dual-clip constant c > 1 (0 = off)
@@ -168,10 +170,8 @@ class ActorConfig:
         _check(self.ppo_epochs >= 1, "actor.ppo_epochs", ">= 1", self.ppo_epochs)
         _check(self.micro_batch_size >= 1, "actor.micro_batch_size", ">= 1", self.micro_batch_size)
         _check(self.mini_batch_size >= 0, "actor.mini_batch_size", ">= 0", self.mini_batch_size)
-        _check(self.loss in ("ppo", "gspo", "pg"), "actor.loss", "ppo | gspo | pg", self.loss)
-        _check(self.loss_agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                                 "seq-mean-token-sum-norm"), "actor.loss_agg",
-               "token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm", self.loss_agg)
+        _check_one_of(self.loss, algos.POLICY_LOSSES, "actor.loss")
+        _check_one_of(self.loss_agg, algos.AGG_MODES, "actor.loss_agg")
         _check(self.dual_clip == 0 or self.dual_clip > 1, "actor.dual_clip", "0 or > 1", self.dual_clip)
         _check(0 <= self.clip_low < 1, "actor.clip_low", "in [0, 1)", self.clip_low)
         _check(self.clip_high >= 0, "actor.clip_high", ">= 0", self.clip_high)
@@ -194,7 +194,7 @@ class CriticConfig:
 @dataclass(kw_only=True, slots=True)
 class RewardConfig:
     fn: str = "auto"                       # auto (by data source) | arith | countdown | math
-    num_workers: int = 0                   # scorer processes (0 = in-process, no deadline)
+    num_scorers: int = 0                   # scorer processes (0 = in-process, no deadline)
     timeout_s: float = 10.0                # per-call deadline in worker processes
 
     def __post_init__(self):
@@ -219,13 +219,13 @@ class PlacementConfig:
     cpus_per_replica: float = 1.0          # CPUs reserved per rollout replica
     rollout_pool: str = "standalone"       # standalone (own Ray bundles) | colocated (replica k on actor bundle k)
     timeout_s: float = 300.0               # deadline of every remote call
-    actor_workers: int = 1                 # data-parallel actor ranks (> 1: Ray actors in one gloo/nccl group)
-    critic_workers: int = 1                # data-parallel critic ranks (PPO; > 1 as for the actor)
+    actor_ranks: int = 1                 # data-parallel actor ranks (> 1: Ray actors in one gloo/nccl group)
+    critic_ranks: int = 1                # data-parallel critic ranks (PPO; > 1 as for the actor)
     dp_strategy: str = "fsdp2"             # data-parallel ranks: fsdp2 (sharded; allreduce without FSDP2) | allreduce
 
     def __post_init__(self):
         _check(self.backend in ("local", "ray"), "placement.backend", "local or ray", self.backend)
-        for key in ("actor_workers", "critic_workers"):
+        for key in ("actor_ranks", "critic_ranks"):
             n = getattr(self, key)
             _check(n >= 1, f"placement.{key}", ">= 1", n)
             _check(n == 1 or self.backend == "ray", f"placement.{key}", "1 unless placement.backend=ray", n)
@@ -236,9 +236,9 @@ class PlacementConfig:
                "standalone or colocated", self.rollout_pool)
         _check(self.timeout_s > 0, "placement.timeout_s", "> 0", self.timeout_s)
         # colocated: actor rank k and rollout replica k share bundle k of one pool
-        _check(self.rollout_pool == "standalone" or self.actor_workers in (1, self.rollout_replicas),
-               "placement.actor_workers", "1 or placement.rollout_replicas when placement.rollout_pool="
-               "colocated", self.actor_workers)
+        _check(self.rollout_pool == "standalone" or self.actor_ranks in (1, self.rollout_replicas),
+               "placement.actor_ranks", "1 or placement.rollout_replicas when placement.rollout_pool="
+               "colocated", self.actor_ranks)
 
 
 @dataclass(kw_only=True, slots=True)

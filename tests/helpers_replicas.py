@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 
-from sealrl.roles.rollout import RolloutWorker
+from sealrl.roles.rollout import Rollout
 
 
 def first_to_claim(marker: str) -> bool:
@@ -19,7 +19,7 @@ def first_to_claim(marker: str) -> bool:
         return False
 
 
-class CorruptedTransfer(RolloutWorker):
+class CorruptedTransfer(Rollout):
     """The first replica to stage a version of policy step `step` receives `tensor` with one
     value changed (as a bad transfer would deliver it); its own verification must catch it."""
 
@@ -35,7 +35,7 @@ class CorruptedTransfer(RolloutWorker):
         return super().stage(state, manifest)
 
 
-class DiesMidGenerate(RolloutWorker):
+class DiesMidGenerate(Rollout):
     """The first replica to generate for a group id starting with `prefix` computes its samples
     and then its process exits before answering (os._exit: no clean-up, no reply)."""
 
@@ -50,7 +50,7 @@ class DiesMidGenerate(RolloutWorker):
         return samples
 
 
-class HangsMidGenerate(RolloutWorker):
+class HangsMidGenerate(Rollout):
     """The first replica to generate hangs (sleeps `seconds`) before answering: a late replica
     whose task is still running when the caller's deadline passes."""
 
@@ -64,7 +64,7 @@ class HangsMidGenerate(RolloutWorker):
         return super().generate(requests, contract, version)
 
 
-class DiesMidStage(RolloutWorker):
+class DiesMidStage(Rollout):
     """The first replica to stage a version of policy step `step` exits while staging it."""
 
     def __init__(self, model, tokenizer, marker: str, step: int):

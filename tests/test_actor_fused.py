@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from sealrl.experience.store import read_iteration
-from sealrl.roles.actor import ActorWorker
+from sealrl.roles.actor import Actor
 from sealrl.config import build_config
 from sealrl.trainer.driver import train
 
@@ -20,11 +20,11 @@ BASE = ["run.iterations=3", "run.progress=false", "data.num_train=48", "eval.num
 
 def _run(tmp_path, name, fused: bool, monkeypatch, extra=()):
     calls = []
-    original = ActorWorker._single_step
+    original = Actor._single_step
     def single_step(self, b):
         calls.append(original(self, b))
         return fused and calls[-1]
-    monkeypatch.setattr(ActorWorker, "_single_step", single_step)
+    monkeypatch.setattr(Actor, "_single_step", single_step)
     train(build_config(None, BASE + list(extra) + [f"run.output_dir={tmp_path}", f"run.name={name}"]))
     run = tmp_path / name
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]

@@ -200,15 +200,15 @@ def test_policy_gradient_golden():
 def test_registry_on_policy_ppo_has_pg_gradient():
     log_prob, _, adv, mask = _ppo_batch()
     norm = make_normaliser(mask, "token-mean")
-    assert set(POLICY_LOSSES) == {"ppo", "gspo", "pg"}
+    assert set(POLICY_LOSSES) == {"clip", "gspo", "pg"}
     grads = {}
-    for name in ("ppo", "pg"):
+    for name in ("clip", "pg"):
         lp = log_prob.detach().clone().requires_grad_()
         loss, _ = POLICY_LOSSES[name](lp, lp.detach(), adv, mask, norm)
         (grads[name],) = torch.autograd.grad(loss, lp)
     # ratio = 1 everywhere: PPO's gradient is -A grad logp / N, the REINFORCE gradient
-    assert_close(grads["ppo"], t([[-0.25, 0.25, -0.5], [0.25, 0.0, 0.0]]))
-    assert_close(grads["pg"], grads["ppo"])
+    assert_close(grads["clip"], t([[-0.25, 0.25, -0.5], [0.25, 0.0, 0.0]]))
+    assert_close(grads["pg"], grads["clip"])
 
 
 # ---- value loss, entropy -----------------------------------------------------------------

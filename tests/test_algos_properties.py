@@ -50,7 +50,7 @@ def _policy_loss(name):
 
 
 LOSS_FNS = {
-    "ppo": _policy_loss("ppo"),
+    "clip": _policy_loss("clip"),
     "gspo": _policy_loss("gspo"),
     "pg": _policy_loss("pg"),
     "value": lambda v, old, adv, mask, norm, returns: A.value_loss(v, old, returns, mask, norm, 0.2),

@@ -18,7 +18,7 @@ from sealrl.models.hf import model_config_hash, tokenizer_hash
 from sealrl.models.tiny import build_tiny_model
 from sealrl.placement.dispatch import generate_by_id
 from sealrl.placement.workers import LocalWorkerGroup, WorkerError, pools_from_config
-from sealrl.roles.rollout import RolloutWorker
+from sealrl.roles.rollout import Rollout
 from sealrl.rollout import GenerationRequest, VersionNotHeldError
 from sealrl.sync.manifest import WeightSyncError, build_manifest
 
@@ -54,7 +54,7 @@ def objects():
 @pytest.fixture(scope="module")
 def local_samples(objects):
     model, tok, (state, v0), _, requests = objects
-    worker = RolloutWorker(model, tok)
+    worker = Rollout(model, tok)
     worker.load(state, v0)
     return worker.generate(requests, CONTRACT, v0.version)
 
@@ -72,7 +72,7 @@ def assert_same_samples(got, want):
 
 def test_local_group_of_two_replicas_gives_the_single_replica_samples(objects, local_samples):
     model, tok, (state, v0), _, requests = objects
-    group = LocalWorkerGroup("rollout", [RolloutWorker(model, tok), RolloutWorker(model, tok)])
+    group = LocalWorkerGroup("rollout", [Rollout(model, tok), Rollout(model, tok)])
     assert sync_weights(group, state, v0) == v0.version
     samples, metrics = generate_by_id(group, list(reversed(requests)), CONTRACT, v0.version)
     assert_same_samples(sorted(samples, key=lambda s: s.sample_id), sorted(local_samples, key=lambda s: s.sample_id))
@@ -82,7 +82,7 @@ def test_local_group_of_two_replicas_gives_the_single_replica_samples(objects, l
 
 def test_local_group_failure_names_role_and_worker(objects):
     model, tok, (state, v0), (_, v1), requests = objects
-    group = LocalWorkerGroup("rollout", [RolloutWorker(model, tok)])
+    group = LocalWorkerGroup("rollout", [Rollout(model, tok)])
     sync_weights(group, state, v0)
     with pytest.raises(WorkerError, match="role rollout worker 0: generate: VersionNotHeldError") as e:
         generate_by_id(group, requests, CONTRACT, v1.version)
@@ -92,7 +92,7 @@ def test_local_group_failure_names_role_and_worker(objects):
 def test_a_replica_that_drops_a_sample_is_reported_by_id(objects):
     model, tok, (state, v0), _, requests = objects
 
-    class Dropping(RolloutWorker):
+    class Dropping(Rollout):
         def generate(self, reqs, contract, version):
             return super().generate(reqs, contract, version)[1:]
 
@@ -106,7 +106,7 @@ def test_a_pool_serving_mixed_versions_is_refused_by_name(objects):
     from sealrl.placement.dispatch import ReplicaVersionError
     from sealrl.placement.rollout_pool import RolloutPool
     model, tok, (state, v0), (state1, v1), requests = objects
-    pool = RolloutPool(LocalWorkerGroup("rollout", [RolloutWorker(model, tok), RolloutWorker(model, tok)]))
+    pool = RolloutPool(LocalWorkerGroup("rollout", [Rollout(model, tok), Rollout(model, tok)]))
     assert pool.load(state, v0) == v0.version == pool.version
     pool.group.workers[0].load(state1, v1)  # one replica moved on alone
     with pytest.raises(ReplicaVersionError, match="different versions"):
@@ -119,7 +119,7 @@ def test_samples_stamped_with_another_version_are_rejected_as_stale(objects):
     import dataclasses
     model, tok, (state, v0), (_, v1), requests = objects
 
-    class Mislabelling(RolloutWorker):
+    class Mislabelling(Rollout):
         def generate(self, reqs, contract, version):
             return [dataclasses.replace(s, policy_version=v1.version) for s in super().generate(reqs, contract, version)]
 
@@ -186,7 +186,7 @@ def ray_pool(objects):
         pools = pools_from_config({"train": {"roles": ["actor", "rollout"], "num_workers": 2,
                                              "num_cpus_per_worker": 0.5}})  # 1 CPU left for config-built pools
         pool = RayPool(pools["rollout"])
-        group = RayWorkerGroup("rollout", functools.partial(RolloutWorker, model, tok), pool, timeout_s=120)
+        group = RayWorkerGroup("rollout", functools.partial(Rollout, model, tok), pool, timeout_s=120)
         group.pool = pool
         yield group
         group.close()

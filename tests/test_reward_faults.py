@@ -98,7 +98,7 @@ def _audit_ok(run) -> None:
 
 def test_one_reward_call_in_five_times_out(tmp_path, monkeypatch):
     before = child_pids()
-    summary = _train(tmp_path, monkeypatch, SlowOneInFive(), "reward.num_workers=2", f"reward.timeout_s={TIMEOUT_S}")
+    summary = _train(tmp_path, monkeypatch, SlowOneInFive(), "reward.num_scorers=2", f"reward.timeout_s={TIMEOUT_S}")
     assert child_pids() - before == set()          # every killed and every idle worker reaped
     run = tmp_path / "t"
     assert summary["completed"] and summary["iterations"] == 4
@@ -125,7 +125,7 @@ def test_one_reward_call_in_five_times_out(tmp_path, monkeypatch):
 
 
 def test_wrong_length_nan_inf_none_become_error_records(tmp_path, monkeypatch):
-    summary = _train(tmp_path, monkeypatch, BadBatchScorer(), "reward.num_workers=0")
+    summary = _train(tmp_path, monkeypatch, BadBatchScorer(), "reward.num_scorers=0")
     run = tmp_path / "t"
     assert summary["completed"]
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -160,7 +160,7 @@ def test_stage_watchdog_ends_a_hung_reward_stage_and_its_workers(tmp_path):
               "from sealrl.config import build_config; from sealrl.trainer.driver import train; "
               "train(build_config(None, ARGS + sys.argv[1:]))")
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-c", script, f"run.output_dir={tmp_path}", "reward.num_workers=2",
+    out = subprocess.run([sys.executable, "-c", script, f"run.output_dir={tmp_path}", "reward.num_scorers=2",
                           "reward.timeout_s=600", "run.stage_timeout_s=10"], cwd=Path(__file__).parent.parent,
                          env=dict(os.environ, HANG_PIDS=str(pids)), capture_output=True, text=True, timeout=150)
     assert time.monotonic() - t0 < 120   # an orphaned worker would hold the pipes open: TimeoutExpired

@@ -120,7 +120,7 @@ def check_case(record, i, response, status, total, expected):
 
 
 def test_inline_mode_validates_like_workers():
-    with rewards.RewardPool(Misbehave(), num_workers=0) as pool:
+    with rewards.RewardPool(Misbehave(), num_scorers=0) as pool:
         assert pool.worker_pids == []
         records = pool.score([s(c[0], i) for i, c in enumerate(CASES)])
     for i, (record, case) in enumerate(zip(records, CASES)):
@@ -128,7 +128,7 @@ def test_inline_mode_validates_like_workers():
 
 
 def test_bad_scorers_in_workers_bounded_time_and_recovery():
-    pool = rewards.RewardPool(Misbehave(), num_workers=2, timeout_s=TIMEOUT_S)
+    pool = rewards.RewardPool(Misbehave(), num_scorers=2, timeout_s=TIMEOUT_S)
     first_pids = pool.worker_pids
     assert len(first_pids) == 2
     batch = [s(c[0], i) for i, c in enumerate(CASES)]
@@ -158,7 +158,7 @@ def test_bad_scorers_in_workers_bounded_time_and_recovery():
 
 
 def test_every_worker_hangs_then_queued_samples_still_score():
-    with rewards.RewardPool(Misbehave(), num_workers=2, timeout_s=TIMEOUT_S) as pool:
+    with rewards.RewardPool(Misbehave(), num_scorers=2, timeout_s=TIMEOUT_S) as pool:
         pids = pool.worker_pids
         t0 = time.monotonic()
         records = pool.score([s("hang", 0), s("hang", 1), s("ok:1", 2), s("ok:2", 3)])
@@ -174,7 +174,7 @@ def test_every_worker_hangs_then_queued_samples_still_score():
 def test_results_join_by_id_in_input_order():
     # the first sample finishes last; records still come back in input order
     batch = [s("sleep:0.3:10", 0), s("ok:11", 1), s("sleep:0.1:12", 2), s("ok:13", 3)]
-    with rewards.RewardPool(Misbehave(), num_workers=2, timeout_s=TIMEOUT_S) as pool:
+    with rewards.RewardPool(Misbehave(), num_scorers=2, timeout_s=TIMEOUT_S) as pool:
         assert [r.total for r in pool.score(batch)] == [10.0, 11.0, 12.0, 13.0]
         assert pool.score([]) == []
         with pytest.raises(ValueError, match="duplicate sample_id"):
@@ -184,7 +184,7 @@ def test_results_join_by_id_in_input_order():
 
 
 def test_dropped_pool_leaves_no_process():
-    pool = rewards.RewardPool(Misbehave(), num_workers=1, timeout_s=TIMEOUT_S)
+    pool = rewards.RewardPool(Misbehave(), num_scorers=1, timeout_s=TIMEOUT_S)
     pids = pool.worker_pids
     del pool
     gc.collect()
@@ -194,16 +194,16 @@ def test_dropped_pool_leaves_no_process():
 def test_scorer_that_cannot_start_or_be_pickled():
     before = child_pids()   # other tests' children (e.g. Ray's) are not this pool's
     with pytest.raises(RuntimeError, match="model folder missing"):
-        rewards.RewardPool(FailingSetup(), num_workers=2)
+        rewards.RewardPool(FailingSetup(), num_scorers=2)
     assert child_pids() - before == set()
 
     class Local(Misbehave):  # not importable by name in a worker
         pass
 
     with pytest.raises(TypeError, match="cannot be pickled"):
-        rewards.RewardPool(Local(), num_workers=1)
+        rewards.RewardPool(Local(), num_scorers=1)
     with pytest.raises(TypeError, match="not a RewardFunction"):
-        rewards.RewardPool(lambda sample: 1.0, num_workers=0)
+        rewards.RewardPool(lambda sample: 1.0, num_scorers=0)
 
 
 def test_math_verify_blow_up_times_out_in_a_worker():
@@ -215,7 +215,7 @@ def test_math_verify_blow_up_times_out_in_a_worker():
                           ground_truth="42"),
              RewardSample(sample_id="m/0/p/2", prompt="", response="\\boxed{1}",
                           ground_truth=None)]
-    with rewards.RewardPool(fn, num_workers=2, timeout_s=TIMEOUT_S) as pool:
+    with rewards.RewardPool(fn, num_scorers=2, timeout_s=TIMEOUT_S) as pool:
         t0 = time.monotonic()
         slow, good, bad_truth = pool.score(batch)
         assert time.monotonic() - t0 < TIMEOUT_S + SLACK_S
@@ -231,7 +231,7 @@ def test_weighted_reward_in_workers():
                                  "format": (rewards.FormatReward(r"\d+"), 0.1)})
     batch = [RewardSample(sample_id=f"w/0/p/{i}", prompt="", response=r, ground_truth=t)
              for i, (r, t) in enumerate([("42<eos>", "42"), ("41", "42"), ("42", None)])]
-    with rewards.RewardPool(fn, num_workers=1) as pool:
+    with rewards.RewardPool(fn, num_scorers=1) as pool:
         right, wrong, broken = pool.score(batch)
     assert right.total == pytest.approx(1.1) and right.components == {"correct": 1.0, "format": 1.0}
     assert wrong.total == pytest.approx(0.1) and wrong.components == {"correct": 0.0, "format": 1.0}
@@ -256,7 +256,7 @@ def test_reward_model_in_its_own_process(tmp_path):
     batch = [RewardSample(sample_id=f"rm/0/p/{i}", prompt=f"{i}+{i}=", response=str(2 * i))
              for i in range(5)]
     expected = rm.score_batch(batch)  # loads the model here; the pickle sent to the worker does not
-    with rewards.RewardPool(rm, num_workers=1, timeout_s=30.0) as pool:
+    with rewards.RewardPool(rm, num_scorers=1, timeout_s=30.0) as pool:
         records = pool.score(batch)  # one request: the whole batch, one score_batch call
         pids = pool.worker_pids
     assert [r.total for r in records] == pytest.approx(expected, abs=1e-6)
@@ -280,7 +280,7 @@ class ShortBatch:
 
 
 def test_batch_scorer_faults_mark_every_sample():
-    with rewards.RewardPool(ShortBatch(), num_workers=0) as pool:
+    with rewards.RewardPool(ShortBatch(), num_scorers=0) as pool:
         lost = pool.score([s("a", 0), s("b", 1)])
         raised = pool.score([s("raise", 0), s("b", 1)])
     assert all(r.status == "error" and "returned 1 scores for 2 samples" in r.message for r in lost)

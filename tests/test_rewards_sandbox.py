@@ -309,7 +309,7 @@ REFUSAL_DRIVER = textwrap.dedent("""
     weak = run_sandboxed("import os\\nprint(os.getuid())", allow_weak=True)
     sample = RewardSample(sample_id="r/0/0/0", prompt="", response="print(1)",
                           ground_truth={"tests": [{"stdin": "", "stdout": "1"}]})
-    pool = RewardPool(CodeExecutionReward(), num_workers=1, timeout_s=20)
+    pool = RewardPool(CodeExecutionReward(), num_scorers=1, timeout_s=20)
     record = pool.score([sample])[0]
     pool.close()
     print(json.dumps({"strict": [strict.status, strict.message], "weak": [weak.status,
@@ -402,7 +402,7 @@ def test_through_the_reward_pool():
     samples = [RewardSample(sample_id=f"r/0/{i}/0", prompt="", response=r,
                             ground_truth=json.dumps({"tests": ADD_TESTS}))
                for i, r in enumerate([ADD, "print(3)", "import os\nwhile True: os.fork()\n"])]
-    pool = RewardPool(CodeExecutionReward(timeout_s=2), num_workers=1, timeout_s=30)
+    pool = RewardPool(CodeExecutionReward(timeout_s=2), num_scorers=1, timeout_s=30)
     try:
         records = pool.score(samples)
     finally:

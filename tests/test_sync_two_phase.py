@@ -14,7 +14,7 @@ from sealrl.models.tiny import build_tiny_model
 from sealrl.experience import MissingResultsError
 from sealrl.placement.rollout_pool import RolloutPool
 from sealrl.placement.workers import LocalWorkerGroup, RemoteCallError, WorkerError
-from sealrl.roles.rollout import RolloutWorker
+from sealrl.roles.rollout import Rollout
 from sealrl.rollout import VersionNotHeldError
 from sealrl.sync.manifest import WeightSyncError, build_manifest
 from tests.helpers_replicas import CorruptedTransfer
@@ -35,7 +35,7 @@ def versions():
 
 def test_stage_keeps_the_active_version_until_activate(versions):
     model, tok, (state0, v0), (state1, v1) = versions
-    worker = RolloutWorker(model, tok)
+    worker = Rollout(model, tok)
     assert worker.load(state0, v0) == v0.version
     assert worker.stage(state1, v1) == v1.version
     assert (worker.version, worker.staged_version) == (v0.version, v1.version)   # staged, not active
@@ -50,7 +50,7 @@ def test_stage_keeps_the_active_version_until_activate(versions):
 
 def test_a_corrupted_tensor_on_one_replica_activates_nothing_anywhere(versions, tmp_path):
     model, tok, (state0, v0), (state1, v1) = versions
-    healthy = RolloutWorker(model, tok)
+    healthy = Rollout(model, tok)
     corrupted = CorruptedTransfer(model, tok, str(tmp_path / "marker"), TENSOR, step=1)
     pool = RolloutPool(LocalWorkerGroup("rollout", [healthy, corrupted]))
     assert pool.load(state0, v0) == v0.version
@@ -66,7 +66,7 @@ def test_a_corrupted_tensor_on_one_replica_activates_nothing_anywhere(versions, 
 def test_one_phase_sync_on_a_group_also_activates_nothing(versions, tmp_path):
     model, tok, (state0, v0), (state1, v1) = versions
     group = LocalWorkerGroup("rollout", [CorruptedTransfer(model, tok, str(tmp_path / "m"), TENSOR, step=1),
-                                         RolloutWorker(model, tok)])
+                                         Rollout(model, tok)])
     RolloutPool(group).load(state0, v0)
     with pytest.raises(WorkerError, match="worker 0: stage: WeightSyncError"):
         RolloutPool(group).load(state1, v1)

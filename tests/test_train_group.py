@@ -1,5 +1,5 @@
-"""Data-parallel actor and critic wired into the driver (placement.actor_workers /
-critic_workers = 2, Ray, gloo): the unchanged driver gives the same updated weights as the
+"""Data-parallel actor and critic wired into the driver (placement.actor_ranks /
+critic_ranks = 2, Ray, gloo): the unchanged driver gives the same updated weights as the
 in-process run (<= 1e-6, fp32), through a rollback, a checkpoint and a resume too, with both
 placement.dp_strategy values (fsdp2: sharded ranks; allreduce: replicated ranks). Adam's step
 divides by sqrt(v) + eps, so fp32 sum-order differences (2 ranks add the gradient in another
@@ -19,7 +19,7 @@ from sealrl import faults
 from sealrl.experience.store import read_iteration
 from sealrl.placement.train_group import ActorGroup, ActorRank, join_rows
 from sealrl.placement.workers import LocalWorkerGroup
-from sealrl.roles.actor import ActorWorker
+from sealrl.roles.actor import Actor
 from sealrl.config import build_config
 from sealrl.trainer.driver import train
 from tests.test_placement_dp import HORIZON, V0, make_batch, make_model, max_diff
@@ -87,12 +87,12 @@ def test_join_rows_places_each_rank_s_rows_by_sample_id():
 
 def test_actor_group_of_one_in_process_rank_is_the_plain_actor():
     """The facade's plumbing without Ray: update, pull to the mirror, export, rollback, and the
-    push a checkpoint restore makes, against a plain ActorWorker (bitwise: one rank)."""
+    push a checkpoint restore makes, against a plain Actor (bitwise: one rank)."""
     cfg = build_config(None, ["actor.micro_batch_size=3", "actor.lr=1e-3"])
     model = make_model()
 
     def make():   # each worker its own copy, as each Ray actor would unpickle one
-        return ActorWorker(copy.deepcopy(model), cfg.actor, cfg.algorithm, "run", "tok", 1.0, 0, 10, HORIZON)
+        return Actor(copy.deepcopy(model), cfg.actor, cfg.algorithm, "run", "tok", 1.0, 0, 10, HORIZON)
 
     plain = make()
     group = ActorGroup(LocalWorkerGroup("actor", [ActorRank(make, 0)]), make())
@@ -117,7 +117,7 @@ def test_actor_group_of_one_in_process_rank_is_the_plain_actor():
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_grpo_two_actor_ranks_give_the_one_process_update_through_a_resume(tmp_path, ray_session, monkeypatch,
                                                                            local_grpo, strategy):
-    local, dp_args = local_grpo, ["placement.actor_workers=2", f"placement.dp_strategy={strategy}", *DP]
+    local, dp_args = local_grpo, ["placement.actor_ranks=2", f"placement.dp_strategy={strategy}", *DP]
     monkeypatch.setenv("SEALRL_FAULTS", "update@0:raise")   # every rank restores its snapshot, then retries
     monkeypatch.setattr(faults, "_fired", set())                   # entries fire once per process
     dp = run(tmp_path, "dp", "algorithm.name=grpo", "run.iterations=1", *dp_args)
@@ -143,7 +143,7 @@ def test_ppo_two_actor_and_two_critic_ranks_give_the_one_process_update(tmp_path
     """The default strategy (fsdp2) end to end; allreduce differs only inside the ranks, where
     test_placement_dp runs both strategies (and the GRPO test above runs both end to end)."""
     local = local_ppo
-    dp = run(tmp_path, "dp", *PPO, "placement.actor_workers=2", "placement.critic_workers=2", *DP)
+    dp = run(tmp_path, "dp", *PPO, "placement.actor_ranks=2", "placement.critic_ranks=2", *DP)
     assert_same_weights(local, dp, "actor_model", 1)
     assert_same_weights(local, dp, "critic_model", 1)
     a, b = experience(local, 0), experience(dp, 0)
@@ -161,7 +161,7 @@ def test_colocated_actor_ranks_share_the_rollout_replicas_bundles(tmp_path, ray_
     """placement.rollout_pool=colocated with 2 actor ranks and 2 replicas: one Ray pool, rank k
     and replica k on bundle k (each asks half of it), and the update is the one-process one."""
     from sealrl.trainer import setup
-    colocated = ["placement.actor_workers=2", "placement.rollout_replicas=2", "placement.rollout_pool=colocated",
+    colocated = ["placement.actor_ranks=2", "placement.rollout_replicas=2", "placement.rollout_pool=colocated",
                  "placement.backend=ray", "placement.cpus_per_replica=1", "placement.timeout_s=180"]
     cfg = build_config(None, [*ARGS, "algorithm.name=grpo", *colocated])
     roles = setup.build_roles(cfg, "colocated")
@@ -174,5 +174,5 @@ def test_colocated_actor_ranks_share_the_rollout_replicas_bundles(tmp_path, ray_
         roles.close()
     dp = run(tmp_path, "dp", "algorithm.name=grpo", "run.iterations=1", *colocated)
     assert_same_weights(local_grpo, dp, "actor_model", 1)
-    with pytest.raises(ValueError, match="placement.actor_workers"):
+    with pytest.raises(ValueError, match="placement.actor_ranks"):
         build_config(None, [*colocated, "placement.rollout_replicas=3"])

@@ -6,6 +6,7 @@ losses      loss aggregation (global normaliser), PPO / GSPO / PG policy losses,
 correction  rollout-vs-trainer mismatch: truncated IS weights, rejection masks, metrics
 """
 from sealrl.algos.advantages import (
+    ADVANTAGE_ESTIMATORS,
     broadcast_to_tokens,
     gae,
     grpo_advantages,
@@ -14,7 +15,7 @@ from sealrl.algos.advantages import (
     rloo_advantages,
     whiten,
 )
-from sealrl.algos.correction import importance_weights, mismatch_metrics, rejection_mask
+from sealrl.algos.correction import CORRECTIONS, importance_weights, mismatch_metrics, rejection_mask
 from sealrl.algos.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -36,7 +37,7 @@ from sealrl.algos.losses import (
 )
 
 __all__ = [
-    "broadcast_to_tokens", "gae", "grpo_advantages", "reinforce_pp_advantages",
+    "ADVANTAGE_ESTIMATORS", "CORRECTIONS", "broadcast_to_tokens", "gae", "grpo_advantages", "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages", "rloo_advantages", "whiten",
     "importance_weights", "mismatch_metrics", "rejection_mask",
     "KL_ESTIMATORS", "AdaptiveKLController", "FixedKLController", "kl_penalty",

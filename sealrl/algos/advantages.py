@@ -17,6 +17,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+# algorithm.name: the advantage estimator (ppo = GAE with a critic); trainer/derive.py applies it
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo")
+
 
 def broadcast_to_tokens(adv: Tensor, mask: Tensor) -> Tensor:
     """Copy one advantage per sequence onto its valid tokens.

@@ -26,6 +26,10 @@ from sealrl.algos.kl import KL_ESTIMATORS
 LEVELS = ("token", "sequence")
 
 
+# algorithm.correction: how the actor corrects for rollout-vs-trainer mismatch
+CORRECTIONS = ("none", "token_is", "seq_is", "token_reject", "seq_reject")
+
+
 def _check_level(level: str) -> None:
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}, got {level!r}")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import yaml
 
-from sealrl.experience.store import read_table
 from sealrl.config import Config, load_config
+from sealrl.experience.store import read_table
 
 _ITER_FILE = re.compile(r"iter_(\d+)\.parquet")
 # what every check may index without asking: the store writes them for every sample

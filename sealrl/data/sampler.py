@@ -73,10 +73,6 @@ class PromptSampler:
         while True:
             yield self.next_batch()
 
-    def batches_per_epoch(self) -> int:
-        full, rest = divmod(self.num_prompts, self.batch_size)
-        return full + (1 if rest and not self.drop_last else 0)
-
     def state_dict(self) -> dict:
         """JSON-able position plus the settings it is only meaningful with."""
         return {"version": _STATE_VERSION, "seed": self.seed, "epoch": self.epoch,

@@ -5,21 +5,12 @@ over the full vocabulary, no top-k/top-p filtering. The rollout engine calls the
 `token_log_probs` on its own logits, so behaviour and training log-probs differ only by the
 logits themselves (the parity test holds that difference under 1e-5 in fp32).
 
-Two layouts, same numbers:
-
-padded (`pad_batch`): prompts left-padded to width P, responses right-padded to width R:
+The layout (`pad_batch`): prompts left-padded to width P, responses right-padded to width R:
 
     input_ids   [pad pad p0 p1 p2 | r0 r1 r2 pad]      (B, P+R)
     position    [ 0   0  0  1  2  |  3  4  5   6]      per-row, counted over real tokens
     logits that predict r_j sit at column P-1+j, so every row's response window is the same
     slice [P-1, P-1+R) and column j of the result is the j-th response token of the row.
-
-packed (`pack_sequences`): all sequences concatenated in one row of width N = sum of lengths,
-position ids restarting at 0 for each sequence. transformers 5 (masking_utils.
-find_packed_sequence_indices) turns restarting position ids into a block-diagonal causal mask
-for sdpa/eager/flex and into cu_seqlens for flash attention, provided no 2D attention mask and
-no cache are passed; so the packed forward sends `position_ids` only, with `use_cache=False`.
-Packing spends no FLOPs on padding, which matters when lengths differ a lot.
 """
 from __future__ import annotations
 
@@ -138,73 +129,3 @@ def response_log_probs(model, prompts: list[list[int]], responses: list[list[int
     log_probs, entropy = _masked_outputs(logits, batch.response_ids, batch.response_mask,
                                          temperature, with_entropy)
     return log_probs, entropy, batch.response_mask
-
-
-@dataclass(frozen=True)
-class PackedBatch:
-    """All sequences (prompt + response) concatenated in one row, no padding."""
-
-    input_ids: Tensor           # (1, N) long
-    position_ids: Tensor        # (1, N) long, restarting at 0 per sequence
-    starts: tuple[int, ...]     # offset of each sequence in the row
-    prompt_lens: tuple[int, ...]
-    response_lens: tuple[int, ...]
-
-    def predicting_index(self) -> Tensor:
-        """Flat positions (M,) whose logits predict each response token, in sequence order."""
-        idx = [s + p - 1 + j for s, p, r in zip(self.starts, self.prompt_lens, self.response_lens)
-               for j in range(r)]
-        return torch.tensor(idx, dtype=torch.long, device=self.input_ids.device)
-
-    def to_padded(self, flat: Tensor, fill: float = 0.0) -> Tensor:
-        """Scatter per-response-token values (M, ...) into (B, R, ...) right-padded rows."""
-        B, R = len(self.starts), max(self.response_lens, default=0)
-        out = flat.new_full((B, R, *flat.shape[1:]), fill)
-        lens = torch.tensor(self.response_lens, device=flat.device)
-        mask = torch.arange(R, device=flat.device)[None, :] < lens[:, None]  # (B, R)
-        out[mask] = flat  # boolean indexing walks rows in order, matching predicting_index
-        return out
-
-
-def pack_sequences(prompts: list[list[int]], responses: list[list[int]],
-                   device: str | torch.device = "cpu") -> PackedBatch:
-    """Concatenate every prompt+response into one row with per-sequence position ids."""
-    _check_pairs(prompts, responses)
-    ids, pos, starts = [], [], []
-    for p, r in zip(prompts, responses):
-        starts.append(len(ids))
-        ids.extend(p)
-        ids.extend(r)
-        pos.extend(range(len(p) + len(r)))
-    return PackedBatch(torch.tensor([ids], dtype=torch.long, device=device),
-                       torch.tensor([pos], dtype=torch.long, device=device), tuple(starts),
-                       tuple(len(p) for p in prompts), tuple(len(r) for r in responses))
-
-
-def unpack_sequences(packed: PackedBatch) -> tuple[list[list[int]], list[list[int]]]:
-    """Inverse of pack_sequences: (prompts, responses) as lists of ids."""
-    row = packed.input_ids[0].tolist()
-    prompts, responses = [], []
-    for s, p, r in zip(packed.starts, packed.prompt_lens, packed.response_lens):
-        prompts.append(row[s:s + p])
-        responses.append(row[s + p:s + p + r])
-    return prompts, responses
-
-
-def response_log_probs_packed(model, prompts: list[list[int]], responses: list[list[int]],
-                              temperature: float = 1.0, with_entropy: bool = False,
-                              ) -> tuple[Tensor, Tensor | None, Tensor]:
-    """Same contract and numbers as response_log_probs, computed on a packed row."""
-    device = next(model.parameters()).device
-    packed = pack_sequences(prompts, responses, device)
-    index = packed.predicting_index()  # (M,)
-    targets = packed.input_ids[0, index + 1]  # (M,) the token each position predicts
-    # logits_to_keep as an index tensor: the LM head runs on the M predicting positions only.
-    out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
-                logits_to_keep=index)
-    logits = out.logits[0]  # (M, V)
-    flat_lp = token_log_probs(logits, targets, temperature)  # (M,)
-    log_probs = packed.to_padded(flat_lp)  # (B, R)
-    mask = packed.to_padded(torch.ones_like(flat_lp))  # (B, R)
-    entropy = packed.to_padded(token_entropy(logits, temperature)) if with_entropy else None
-    return log_probs, entropy, mask

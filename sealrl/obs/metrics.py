@@ -172,12 +172,3 @@ def read_metrics(run_dir: Path) -> list[dict]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def truncate_metrics(run_dir: Path, upto_iteration: int) -> None:
-    """On resume, drop lines of iterations after the checkpoint (they will be redone)."""
-    rows = [r for r in read_metrics(run_dir) if r["iteration"] < upto_iteration]
-    path = Path(run_dir) / "metrics.jsonl"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, path)

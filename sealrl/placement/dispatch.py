@@ -39,7 +39,7 @@ def generate_by_id(group: WorkerGroup, requests: list[GenerationRequest], contra
                    replace: Callable[[int], None] | None = None, max_replacements: int = 1
                    ) -> tuple[list[RolloutSample], dict]:
     """Samples of every requested candidate (in request, then candidate order, as the local
-    RolloutWorker returns them) and the join's metrics, incl. which replica served each id.
+    Rollout returns them) and the join's metrics, incl. which replica served each id.
     A lost replica is replaced and its shard re-sent up to `max_replacements` times per call
     (only when `replace` is given); any other failure raises its WorkerError."""
     by_group = {r.group_id: r for r in requests}

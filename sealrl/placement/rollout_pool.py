@@ -1,4 +1,4 @@
-"""A rollout role over a group of replicas, with the RolloutWorker interface the driver uses
+"""A rollout role over a group of replicas, with the Rollout interface the driver uses
 (`version`, `load`, `generate`), so the driver loop is the same for one in-process worker,
 a local group or a Ray pool (standalone or colocated).
 
@@ -66,8 +66,8 @@ class RolloutPool:
         if not requests:
             return []
         self.history.append(("generate", version.id))
-        samples, metrics = generate_by_id(self.group, requests, contract, version, timeout_s=self.timeout_s, replace=self._replace,
-                                          max_replacements=self.max_replacements)
+        samples, metrics = generate_by_id(self.group, requests, contract, version, timeout_s=self.timeout_s,
+                                          replace=self._replace, max_replacements=self.max_replacements)
         served = metrics.pop("served_by")
         self.served.append({"version": version.id, "replica_of": served})
         for k, v in metrics.items():

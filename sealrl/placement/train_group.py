@@ -1,8 +1,8 @@
 """Data-parallel actor and critic: N Ray actors joined in one torch.distributed group, behind
-the interface of one ActorWorker / CriticWorker, so the driver loop does not change
-(`placement.actor_workers` / `placement.critic_workers` > 1, `placement.backend=ray`).
+the interface of one Actor / Critic, so the driver loop does not change
+(`placement.actor_ranks` / `placement.critic_ranks` > 1, `placement.backend=ray`).
 
-Each rank hosts an ordinary ActorWorker (CriticWorker). Every rank receives the WHOLE batch
+Each rank hosts an ordinary Actor (Critic). Every rank receives the WHOLE batch
 (one object-store copy) and runs the same update loop: the same minibatch order from the
 shared seed, the same normaliser counted on the whole minibatch (global by construction), then
 in every optimizer step it keeps only its rows, a contiguous range of the minibatch's sorted
@@ -44,9 +44,20 @@ from sealrl.experience import ExperienceBatch, PolicyVersion, Role
 from sealrl.models.logprobs import response_log_probs
 from sealrl.placement.workers import WorkerGroup
 from sealrl.roles.common import batch_log_probs
-from sealrl.roles.distributed import (decoder_layers, fsdp2_available, fsdp2_shard, full_optimizer_state, full_state,
-                                      idle_passes, is_sharded, load_full_optimizer_state, load_full_state, rank_seed,
-                                      shard_batch, world)
+from sealrl.roles.distributed import (
+    decoder_layers,
+    fsdp2_available,
+    fsdp2_shard,
+    full_optimizer_state,
+    full_state,
+    idle_passes,
+    is_sharded,
+    load_full_optimizer_state,
+    load_full_state,
+    rank_seed,
+    shard_batch,
+    world,
+)
 from sealrl.sync.manifest import WeightManifest, build_manifest, entries_digest, tensor_entry
 
 
@@ -287,7 +298,7 @@ class _RoleGroup:
 
 
 class ActorGroup(_RoleGroup):
-    """The actor over N data-parallel ranks, with the ActorWorker interface the driver and
+    """The actor over N data-parallel ranks, with the Actor interface the driver and
     position.py use (export, compute_old_log_probs, update, snapshot, restore, step, attempt,
     skipped_steps, model, optimizer)."""
 
@@ -315,12 +326,12 @@ class ActorGroup(_RoleGroup):
         batch.put("old_log_probs", join_rows(batch, parts), Role.ACTOR, version.id)
 
     def update(self, batch: ExperienceBatch, version: PolicyVersion, iteration: int, seed: int) -> dict:
-        """Every rank runs ActorWorker.update on the whole batch, keeping its rows per step."""
+        """Every rank runs Actor.update on the whole batch, keeping its rows per step."""
         return self._update("actor", self.replicas.share(batch), version, iteration, seed)
 
 
 class CriticGroup(_RoleGroup):
-    """The critic over N data-parallel ranks, with the CriticWorker interface (compute,
+    """The critic over N data-parallel ranks, with the Critic interface (compute,
     update, snapshot, restore, step, version, model, optimizer)."""
 
     @property

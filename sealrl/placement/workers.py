@@ -9,7 +9,7 @@
     group.close()
 
 The driver never sees the difference: a role object (sealrl.roles.*) is built from a picklable
-factory (e.g. `functools.partial(RolloutWorker, model, tokenizer)`) either here or inside a Ray
+factory (e.g. `functools.partial(Rollout, model, tokenizer)`) either here or inside a Ray
 actor. Every remote wait has a deadline; a failure or a timeout raises WorkerError naming the
 role, the worker and the method, with the worker's own exception as `cause`; `lost` says the
 worker itself is gone (its process died, or it missed the deadline and must be replaced).
@@ -43,10 +43,6 @@ class WorkerError(RuntimeError):
 
     def __reduce__(self):
         return type(self), (self.role, self.worker, self.method, self.reason, self.cause, self.lost)
-
-    @property
-    def cause_type(self) -> str:
-        return _type_name(self.cause)
 
 
 def _type_name(e: BaseException | None) -> str:
@@ -225,8 +221,9 @@ class _RoleHost:
 
     def rendezvous(self) -> str:
         """tcp://<this node's address>:<a free port>, for rank 0 of a process group."""
-        import ray
         import socket
+
+        import ray
         host = ray.util.get_node_ip_address()
         with socket.socket() as sock:   # a free port on this node, for the group's rendezvous
             sock.bind((host, 0))

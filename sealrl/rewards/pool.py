@@ -6,7 +6,7 @@ scorer that raises or returns a non-score gives status error; one that runs past
 gives status timeout, and its worker is killed with SIGKILL and replaced by a fresh one. Neither
 ever becomes a number.
 
-How: `num_workers` fresh interpreters running sealrl.rewards.worker (never a fork: torch + fork
+How: `num_scorers` fresh interpreters running sealrl.rewards.worker (never a fork: torch + fork
 is unsafe), each a loop over its own socket pair (multiprocessing.connection). A worker has at
 most one request in flight, so a hang is attributable to that request. A request is one sample,
 or, for a BatchRewardFunction (a reward model), one contiguous chunk of the batch per worker:
@@ -23,7 +23,7 @@ replacement for a killed worker boots in the background and takes work once read
 right after a kill may wait for it; deadlines start at dispatch, never during boot. A worker
 that cannot start at all is an infrastructure failure: the pool closes itself and raises.
 
-Inline mode (num_workers=0) calls the scorer in this process with the same validation; there is
+Inline mode (num_scorers=0) calls the scorer in this process with the same validation; there is
 no deadline enforcement (nothing can pre-empt a Python call in-process), so use it only for
 trusted, fast scorers, tests, or a reward model on the driver's device.
 
@@ -49,8 +49,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Iterable, Sequence
 
 from sealrl.experience.records import RewardRecord, RewardStatus
-from sealrl.rewards.base import (BatchRewardFunction, Outcome, RewardFunction, RewardSample,
-                                 failure_message, score_raw)
+from sealrl.rewards.base import BatchRewardFunction, Outcome, RewardFunction, RewardSample, failure_message, score_raw
 from sealrl.rewards.worker import BOOTSTRAP
 
 _CLOSE_GRACE_S = 1.0  # how long close() lets idle workers exit before SIGKILL
@@ -67,27 +66,27 @@ class _Worker:
 
 
 class RewardPool:
-    """Scores RewardSamples with `fn` in `num_workers` processes (0 = inline), see module doc."""
+    """Scores RewardSamples with `fn` in `num_scorers` processes (0 = inline), see module doc."""
 
-    def __init__(self, fn: RewardFunction, num_workers: int = 2, timeout_s: float = 5.0,
+    def __init__(self, fn: RewardFunction, num_scorers: int = 2, timeout_s: float = 5.0,
                  startup_timeout_s: float = 60.0) -> None:
         if not isinstance(fn, RewardFunction):
             raise TypeError(f"RewardPool: {fn!r} is not a RewardFunction (needs name, version, "
                             "__call__)")
-        if num_workers < 0:
-            raise ValueError(f"RewardPool.num_workers must be >= 0 (0 = inline), got {num_workers}")
+        if num_scorers < 0:
+            raise ValueError(f"RewardPool.num_scorers must be >= 0 (0 = inline), got {num_scorers}")
         if not timeout_s > 0 or not startup_timeout_s > 0:
             raise ValueError(f"RewardPool: timeout_s and startup_timeout_s must be > 0, got "
                              f"{timeout_s} and {startup_timeout_s}")
         self.fn = fn
-        self.num_workers = num_workers
+        self.num_scorers = num_scorers
         self.timeout_s = float(timeout_s)
         self.startup_timeout_s = float(startup_timeout_s)
-        self._workers: list[_Worker] = []
+        self._scorers: list[_Worker] = []
         self._closed = False
         # Kills the workers if the pool is dropped without close(); holds the list, not self.
-        self._finalizer = weakref.finalize(self, _shutdown, self._workers)
-        if num_workers == 0:
+        self._finalizer = weakref.finalize(self, _shutdown, self._scorers)
+        if num_scorers == 0:
             setup = getattr(fn, "setup", None)
             if setup is not None:
                 setup()
@@ -97,8 +96,8 @@ class RewardPool:
         except Exception as e:
             raise TypeError(f"RewardPool: scorer {fn.name!r} cannot be pickled for worker "
                             f"processes ({type(e).__name__}: {e}); define it at module level or "
-                            "use num_workers=0") from e
-        self._workers.extend(self._spawn() for _ in range(num_workers))
+                            "use num_scorers=0") from e
+        self._scorers.extend(self._spawn() for _ in range(num_scorers))
         self._run(deque(), {}, until_ready=True)
 
     # -- public -------------------------------------------------------------------------------
@@ -106,7 +105,7 @@ class RewardPool:
     @property
     def worker_pids(self) -> list[int]:
         """Process ids of the current workers (empty inline or after close)."""
-        return [w.process.pid for w in self._workers]
+        return [w.process.pid for w in self._scorers]
 
     def score(self, samples: Iterable[RewardSample]) -> list[RewardRecord]:
         """One RewardRecord per sample, in input order; sample ids must be unique."""
@@ -122,7 +121,7 @@ class RewardPool:
             ids.add(s.sample_id)
         if not samples:
             return []
-        if self.num_workers == 0:
+        if self.num_scorers == 0:
             return [self._record(o) for o in score_raw(self.fn, samples)]
         results: dict[str, RewardRecord] = {}
         try:
@@ -149,7 +148,7 @@ class RewardPool:
 
     def _requests(self, samples: list[RewardSample]) -> list[list[RewardSample]]:
         if isinstance(self.fn, BatchRewardFunction):  # one chunk per worker
-            size = -(-len(samples) // self.num_workers)
+            size = -(-len(samples) // self.num_scorers)
             return [samples[i:i + size] for i in range(0, len(samples), size)]
         return [[s] for s in samples]
 
@@ -161,11 +160,11 @@ class RewardPool:
         worker past its deadline is killed and its request recorded as timeout.
         """
         while True:
-            for w in self._workers:
+            for w in self._scorers:
                 if requests and w.ready and w.request is None:
                     self._dispatch(w, requests)
-            busy = [w for w in self._workers if w.request is not None]
-            booting = [w for w in self._workers if not w.ready]
+            busy = [w for w in self._scorers if w.request is not None]
+            booting = [w for w in self._scorers if not w.ready]
             if not busy and not requests and not (until_ready and booting):
                 return
             deadlines = [w.deadline for w in busy]
@@ -175,7 +174,7 @@ class RewardPool:
             for conn in wait(list(by_conn), timeout):
                 self._receive(by_conn[conn], requests, results)
             now = time.monotonic()
-            for w in list(self._workers):
+            for w in list(self._scorers):
                 if w.request is not None and w.deadline <= now:
                     detail = (f"no result within the {self.timeout_s:g} s deadline"
                               f"{_batch_note(w.request)}; worker pid {w.process.pid} killed")
@@ -251,7 +250,7 @@ class RewardPool:
 
     def _replace(self, w: _Worker) -> None:
         _kill(w)
-        self._workers[self._workers.index(w)] = self._spawn()
+        self._scorers[self._scorers.index(w)] = self._spawn()
 
     def _broken(self, reason: str) -> None:
         self.close()

@@ -10,8 +10,8 @@ torch and transformers are imported in `setup()`, not at module import: a pool w
 rule-based never pays for them. The model is loaded once per process (`setup()`, called by the
 pool before a worker takes work, or on first use inline) and is never pickled: a pickled
 RewardModelScorer carries only its path and options. Placement: run it inline
-(RewardPool(rm, num_workers=0)) on the driver's device, or in its own process
-(RewardPool(rm, num_workers=1)), where a whole request is one `score_batch` call.
+(RewardPool(rm, num_scorers=0)) on the driver's device, or in its own process
+(RewardPool(rm, num_scorers=1)), where a whole request is one `score_batch` call.
 """
 from __future__ import annotations
 

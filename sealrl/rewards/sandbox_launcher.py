@@ -10,7 +10,15 @@ on the status pipe. Each process dies with its parent (PDEATHSIG).
 if __name__ != "__main__":
     raise ImportError("sealrl.rewards.sandbox_launcher is run by sandbox.py with python -c, never imported")
 
-import ctypes, errno, json, os, resource, select, signal, sys
+import ctypes  # noqa: E401 - one compact script
+import errno
+import json
+import os
+import resource
+import select
+import signal
+import sys
+
 cfg = json.loads(sys.argv[1])
 status_fd = cfg["status_fd"]
 os.set_inheritable(status_fd, False)

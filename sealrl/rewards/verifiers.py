@@ -3,8 +3,9 @@
 Every scorer here is a picklable module-level class, so it runs inline or in a RewardPool
 worker (the learned reward model is in sealrl.rewards.reward_model). Model output is only ever
 matched by regexes compiled from config, compared as a string, or read by the small countdown
-parser in sealrl.rewards.countdown; nothing evaluates it with eval/exec. MathVerifier hands it to math-verify's LaTeX extraction (an ANTLR grammar),
-never to its plain-expression extraction (that one calls sympy.parse_expr, i.e. eval).
+parser in sealrl.rewards.countdown; nothing evaluates it with eval/exec. MathVerifier hands it to math-verify's
+LaTeX extraction (an ANTLR grammar), never to its plain-expression extraction (that one calls
+sympy.parse_expr, i.e. eval).
 
 A verifier raises only when the *sample* is unusable (bad ground truth): that is a scorer
 error. A wrong, malformed or empty answer is a valid 0.0.

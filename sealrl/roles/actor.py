@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from sealrl.config import ActorConfig, AlgorithmConfig
 
 
-class ActorWorker:
+class Actor:
     def __init__(self, model, cfg: ActorConfig, algo: AlgorithmConfig, run_id: str,
                  tokenizer_hash: str, temperature: float, pad_id: int, total_steps: int,
                  horizon: int):
@@ -183,7 +183,7 @@ class ActorWorker:
 
     def _policy_loss(self, lp, old, adv, mask, norm, weights):
         cfg = self.cfg
-        if cfg.loss == "ppo":
+        if cfg.loss == "clip":
             return algos.ppo_clip_loss(lp, old, adv, mask, norm, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                        dual_clip=cfg.dual_clip or None, is_weights=weights)
         if cfg.loss == "gspo":

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from sealrl.config import CriticConfig
 
 
-class CriticWorker:
+class Critic:
     def __init__(self, model: CriticModel, cfg: CriticConfig, pad_id: int, micro_batch_size: int,
                  loss_agg: str, horizon: int):
         self.model, self.cfg, self.pad_id = model, cfg, pad_id
@@ -84,7 +84,8 @@ class CriticWorker:
                                              clip_eps=self.cfg.value_clip or None)
             loss.backward()
             total += float(loss.detach())
-            clip_frac += float(metrics.get("value_clip_frac", 0.0)) * float(mask[sl].sum()) / max(1.0, float(mask.sum()))
+            share = float(mask[sl].sum()) / max(1.0, float(mask.sum()))
+            clip_frac += float(metrics.get("value_clip_frac", 0.0)) * share
         # FSDP2: as many passes as the rank with the most rows (collectives); these add nothing
         for _ in range(idle_passes(self.model, batch.sample_ids, self.micro)):
             (self._values(batch.samples[:1])[0].sum() * 0.0).backward()

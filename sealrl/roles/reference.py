@@ -7,7 +7,7 @@ from sealrl.experience import ExperienceBatch, PolicyVersion, Role
 from sealrl.roles.common import batch_log_probs
 
 
-class ReferenceWorker:
+class Reference:
     def __init__(self, model, version: PolicyVersion, temperature: float, pad_id: int,
                  micro_batch_size: int = 64):
         self.model = copy.deepcopy(model).eval().requires_grad_(False)

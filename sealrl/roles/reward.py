@@ -8,9 +8,9 @@ from sealrl.rewards.pool import RewardPool
 from sealrl.rollout.engine import RolloutSample
 
 
-class RewardWorker:
-    def __init__(self, fn, num_workers: int, timeout_s: float):
-        self.pool = RewardPool(fn, num_workers=num_workers, timeout_s=timeout_s)
+class Reward:
+    def __init__(self, fn, num_scorers: int, timeout_s: float):
+        self.pool = RewardPool(fn, num_scorers=num_scorers, timeout_s=timeout_s)
         self.scorer = fn.name
 
     def score(self, items: list[tuple[RolloutSample, str, str, object, str]]) -> list[tuple[str, RewardRecord]]:

@@ -13,7 +13,7 @@ from sealrl.rollout.engine import GenerationRequest, RolloutEngine, RolloutSampl
 from sealrl.sync.manifest import WeightManifest
 
 
-class RolloutWorker:
+class Rollout:
     def __init__(self, model, tokenizer, device: str = "cpu"):
         self.engine = RolloutEngine(model, tokenizer, device=device)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from sealrl import algos
-from sealrl.experience import ExperienceBatch, Role
 from sealrl.config import AlgorithmConfig
+from sealrl.experience import ExperienceBatch, Role
 
 
 def group_index(group_ids: list[str]) -> torch.Tensor:

@@ -12,10 +12,10 @@ import time
 
 import torch
 
+from sealrl.config import Config
 from sealrl.models.hf import save_causal_lm
 from sealrl.obs.metrics import MetricsLogger
 from sealrl.obs.progress import Progress
-from sealrl.config import Config
 from sealrl.trainer import drills, setup
 from sealrl.trainer.collect import generate, score
 from sealrl.trainer.evaluate import evaluate
@@ -50,7 +50,8 @@ def _train(run: Run) -> dict:
     resumed = restore_position(run.dir, cfg, roles, run.sampler, run.kl_ctl, data.hash) \
         if cfg.run.resume == "auto" else None
     if resumed is None and (run.dir / "checkpoints" / "latest").exists():
-        raise setup.ConfigError(f"run folder {run.dir} already has checkpoints; use run.resume=auto or another run.name")
+        raise setup.ConfigError(f"run folder {run.dir} already has checkpoints; "
+                                "use run.resume=auto or another run.name")
     start = resumed["iteration"] if resumed else 0
     forget_after(run.dir, start)
     drills.install(roles, start)   # fault drills: only when SEALRL_FAULTS is set

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sealrl.config import Config
 from sealrl.models.hf import load_causal_lm, model_config_hash, tokenizer_hash
-from sealrl.roles.rollout import RolloutWorker
+from sealrl.roles.rollout import Rollout
 from sealrl.sync.manifest import build_manifest
 from sealrl.trainer import setup
 from sealrl.trainer.checkpoint import latest_checkpoint
-from sealrl.config import Config
 from sealrl.trainer.evaluate import evaluate
 from sealrl.trainer.position import checkpoint_model_state
 
@@ -31,7 +31,7 @@ def evaluate_path(path: Path, cfg: Config, num: int | None, pass_k: int) -> dict
         model.load_state_dict(weights, strict=True)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     manifest = build_manifest(state, "eval", 0, 0, tokenizer_hash(tokenizer), model_config_hash(model.config))
-    rollout = RolloutWorker(model, tokenizer)
+    rollout = Rollout(model, tokenizer)
     rollout.load(state, manifest)
     data = setup.build_data(cfg, tokenizer)
     return evaluate(rollout, manifest.version, data.eval, setup.build_reward_fn(cfg), tokenizer,

@@ -8,19 +8,19 @@ from sealrl.data.dataset import PromptSet
 from sealrl.experience import PolicyVersion, SamplingContract, group_id
 from sealrl.rewards.base import RewardSample
 from sealrl.rewards.pool import RewardPool
-from sealrl.roles.rollout import RolloutWorker
+from sealrl.roles.rollout import Rollout
 from sealrl.rollout.engine import GenerationRequest
 from sealrl.trainer.ledger import request_seed
 
 
-def evaluate(rollout: RolloutWorker, version: PolicyVersion, prompts: PromptSet, reward_fn, tokenizer,
+def evaluate(rollout: Rollout, version: PolicyVersion, prompts: PromptSet, reward_fn, tokenizer,
              max_new_tokens: int, num: int, pass_k: int = 1, temperature: float = 1.0,
              seed: int = 0, batch_size: int = 256) -> dict[str, float]:
     items = list(prompts)[:num]
     if not items:
         return {}
     greedy = SamplingContract(temperature=1.0, top_k=1, max_new_tokens=max_new_tokens, n=1)
-    scorer = RewardPool(reward_fn, num_workers=0)
+    scorer = RewardPool(reward_fn, num_scorers=0)
     correct = _solved(rollout, version, items, greedy, 1, scorer, tokenizer, seed, batch_size)
     out = {"eval/accuracy": sum(any(c) for c in correct) / len(items), "eval/num": float(len(items))}
     if pass_k > 1:

@@ -8,6 +8,7 @@ unexpected deliveries are refused and counted. Every outcome is counted and writ
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+
 from sealrl.experience import Join, RewardRecord, RewardStatus, StopReason, digest, group_id
 from sealrl.rollout.engine import GenerationRequest, RolloutSample
 

@@ -11,16 +11,23 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from sealrl import faults
-from sealrl.models.hf import model_config_hash, tokenizer_hash
-from sealrl.trainer.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint,
-                                       optimizer_from_flat, optimizer_to_flat, rng_from_flat,
-                                       rng_to_flat, save_checkpoint)
 from sealrl.config import Config, config_diff
+from sealrl.models.hf import model_config_hash, tokenizer_hash
+from sealrl.trainer.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    optimizer_from_flat,
+    optimizer_to_flat,
+    rng_from_flat,
+    rng_to_flat,
+    save_checkpoint,
+)
 
 # Keys that may change between a run and its resumption (they do not change the numbers).
 RESUMABLE_KEYS = {("run", "iterations"), ("run", "resume"), ("run", "progress"), ("run", "max_wall_s"),
                   ("run", "checkpoint_every"), ("run", "eval_every"), ("eval", "num"), ("eval", "pass_k"),
-                  ("eval", "temperature"), ("reward", "num_workers"), ("reward", "timeout_s"),
+                  ("eval", "temperature"), ("reward", "num_scorers"), ("reward", "timeout_s"),
                   ("run", "stage_timeout_s")}
 
 

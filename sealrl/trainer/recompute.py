@@ -34,11 +34,11 @@ from pathlib import Path
 import torch
 
 from sealrl import algos
+from sealrl.config import Config, ConfigError, config_diff, load_config
 from sealrl.experience import ExperienceBatch
 from sealrl.experience.fields import FIELDS, Kind
 from sealrl.experience.store import read_iteration, read_table, write_iteration
-from sealrl.config import Config, ConfigError, config_diff, load_config
-from sealrl.trainer.derive import derive   # the driver's own function: same numbers by construction
+from sealrl.trainer.derive import derive  # the driver's own function: same numbers by construction
 
 # Keys whose change would need facts the run never produced (another sample set, other log-probs).
 _NEEDS_NEW_FACTS = {"algorithm.old_log_prob": "the proximal log-probs are a fact of the run",

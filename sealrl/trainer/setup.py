@@ -15,23 +15,21 @@ from pathlib import Path
 import torch
 import yaml
 
+from sealrl.config import Config, ConfigError
 from sealrl.data.dataset import PromptSet, load_prompts, prompts_from_rows
 from sealrl.data.sampler import PromptSampler
 from sealrl.data.tasks import EMBEDDED_TASK, make_task
-from sealrl.experience import digest
+from sealrl.experience import SamplingContract, digest
 from sealrl.models.hf import load_causal_lm, model_config_hash, tokenizer_hash
-from sealrl.roles.actor import ActorWorker
-from sealrl.roles.critic import CriticWorker
-from sealrl.roles.reference import ReferenceWorker
-from sealrl.roles.reward import RewardWorker
-from sealrl.roles.rollout import RolloutWorker
-from sealrl.sync.manifest import build_manifest
-from sealrl.config import Config, ConfigError
-from sealrl.experience import SamplingContract
 from sealrl.obs.timeline import StageTimer
+from sealrl.roles.actor import Actor
+from sealrl.roles.critic import Critic
+from sealrl.roles.reference import Reference
+from sealrl.roles.reward import Reward
+from sealrl.roles.rollout import Rollout
+from sealrl.sync.manifest import build_manifest
 from sealrl.trainer.state import Phase, StateMachine
 from sealrl.trainer.watchdog import Watchdog
-
 
 # ---- run folder ---------------------------------------------------------------------------
 
@@ -139,11 +137,11 @@ def build_reward_fn(cfg: Config):
 
 @dataclass
 class Roles:
-    actor: ActorWorker
-    rollout: RolloutWorker
-    reward: RewardWorker
-    reference: ReferenceWorker | None
-    critic: CriticWorker | None
+    actor: Actor
+    rollout: Rollout
+    reward: Reward
+    reference: Reference | None
+    critic: Critic | None
     tokenizer: object
 
     closers: list = field(default_factory=list)   # placement resources, closed last
@@ -152,7 +150,7 @@ class Roles:
         """Who does each role's stages, for the trace and failure messages: this process
         (`pid N`), its reward worker processes, or Ray actors."""
         here = f"pid {os.getpid()}"
-        scorers = self.reward.pool.num_workers
+        scorers = self.reward.pool.num_scorers
         out = {"driver": here, "reference": here,
                "reward": f"{here} + {scorers} scorer processes" if scorers else f"{here} (inline scorer)"}
         for name in ("actor", "critic", "rollout"):
@@ -178,31 +176,31 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
     tok_hash = tokenizer_hash(tokenizer)
     temperature, pad = cfg.rollout.temperature, tokenizer.pad_token_id
     horizon = cfg.rollout.max_new_tokens
-    make_actor = functools.partial(ActorWorker, model, cfg.actor, cfg.algorithm, run_id, tok_hash, temperature,
+    make_actor = functools.partial(Actor, model, cfg.actor, cfg.algorithm, run_id, tok_hash, temperature,
                                    pad, total_optimizer_steps(cfg), horizon)
     actor = make_actor()
     closers: list = []
     shared = shared_pool(cfg, closers)  # colocated actor ranks and rollout replicas, or None
-    if cfg.placement.actor_workers > 1:
+    if cfg.placement.actor_ranks > 1:
         actor = data_parallel_role(cfg, "actor", make_actor, actor, closers, shared)
-    rollout = RolloutWorker(model, tokenizer) if cfg.placement.backend == "local" else \
+    rollout = Rollout(model, tokenizer) if cfg.placement.backend == "local" else \
         ray_rollout_pool(cfg, model, tokenizer, closers, shared)
     reference = None
     if cfg.algorithm.kl_coef > 0:  # no reference model is loaded when the KL coefficient is 0
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         ref_version = build_manifest(state, "reference", 0, 0, tok_hash, model_config_hash(model.config)).version
-        reference = ReferenceWorker(model, ref_version, temperature, pad, cfg.actor.micro_batch_size)
+        reference = Reference(model, ref_version, temperature, pad, cfg.actor.micro_batch_size)
     critic = None
     if cfg.algorithm.name == "ppo":
         from sealrl.models.critic import CriticModel
         torch.manual_seed(cfg.run.seed + 1)
         critic_model = CriticModel.from_causal_lm(model)   # backbone copied from the policy, new head
-        make_critic = functools.partial(CriticWorker, critic_model, cfg.critic, pad, cfg.actor.micro_batch_size,
+        make_critic = functools.partial(Critic, critic_model, cfg.critic, pad, cfg.actor.micro_batch_size,
                                         cfg.actor.loss_agg, horizon)
         critic = make_critic()
-        if cfg.placement.critic_workers > 1:
+        if cfg.placement.critic_ranks > 1:
             critic = data_parallel_role(cfg, "critic", make_critic, critic, closers)
-    reward = RewardWorker(build_reward_fn(cfg), cfg.reward.num_workers, cfg.reward.timeout_s)
+    reward = Reward(build_reward_fn(cfg), cfg.reward.num_scorers, cfg.reward.timeout_s)
     return Roles(actor, rollout, reward, reference, critic, tokenizer, closers)
 
 
@@ -211,7 +209,7 @@ def shared_pool(cfg: Config, closers: list):
     whose bundle k holds actor rank k and rollout replica k (rollout_pool_spec). None otherwise:
     each group then makes its own."""
     p = cfg.placement
-    if p.backend != "ray" or p.rollout_pool != "colocated" or p.actor_workers == 1:
+    if p.backend != "ray" or p.rollout_pool != "colocated" or p.actor_ranks == 1:
         return None
     from sealrl.placement import train_group
     from sealrl.placement.workers import RayPool
@@ -222,7 +220,7 @@ def shared_pool(cfg: Config, closers: list):
 
 
 def data_parallel_role(cfg: Config, role: str, make_worker, local, closers: list, pool=None):
-    """placement.<role>_workers > 1: the actor or critic as that many data-parallel Ray actors
+    """placement.<role>_ranks > 1: the actor or critic as that many data-parallel Ray actors
     in one process group, behind a facade with the worker's interface (placement/train_group.py).
     `local`, built from the same factory, stays here as the mirror of the ranks for checkpoints.
     `placement.dp_strategy`: fsdp2 shards each rank's model (FSDP2), allreduce replicates it."""
@@ -232,7 +230,7 @@ def data_parallel_role(cfg: Config, role: str, make_worker, local, closers: list
                     "critic": (train_group.CriticRank, train_group.CriticGroup)}[role]
     factory = functools.partial(rank, make_worker, cfg.run.seed, cfg.placement.dp_strategy)
     group = train_group.ray_train_group(role, factory,
-                                        getattr(cfg.placement, f"{role}_workers"), local.model,
+                                        getattr(cfg.placement, f"{role}_ranks"), local.model,
                                         cfg.placement.timeout_s, closers, pool if role == "actor" else None)
     return facade(group, local, cfg.placement.timeout_s)
 
@@ -265,7 +263,7 @@ def ray_rollout_pool(cfg: Config, model, tokenizer, closers: list, shared=None):
         pool = RayPool(spec, timeout_s=p.timeout_s)
         closers.append(pool.close)
     threads = max(1, int(p.cpus_per_replica / len(spec.roles)))
-    group = RayWorkerGroup("rollout", functools.partial(RolloutWorker, model, tokenizer), pool,
+    group = RayWorkerGroup("rollout", functools.partial(Rollout, model, tokenizer), pool,
                            timeout_s=p.timeout_s, threads=threads)
     rollout = RolloutPool(group, timeout_s=p.timeout_s)
     closers.append(rollout.close)
