@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from sealrl.experience.store import read_table
-from sealrl.config import Config, load_config
+from sealrl.config import Config, MissingInputError, load_config
 
 _ITER_FILE = re.compile(r"iter_(\d+)\.parquet")
 # what every check may index without asking: the store writes them for every sample
@@ -62,10 +62,10 @@ class RunFolder:
 def load_run(run_dir: str | Path) -> RunFolder:
     path = Path(run_dir)
     if not path.is_dir():
-        raise FileNotFoundError(f"run folder {path} does not exist")
+        raise MissingInputError(f"run folder {path} does not exist")
     config = path / "config.yaml"
     if not config.is_file():
-        raise FileNotFoundError(f"{path} is not a run folder: no config.yaml")
+        raise MissingInputError(f"{path} is not a run folder: no config.yaml")
     text = config.read_text()
     cfg = load_config(str(config))
     first = text.splitlines()[0] if text else ""

@@ -8,7 +8,7 @@ from sealrl.roles.rollout import RolloutWorker
 from sealrl.sync.manifest import build_manifest
 from sealrl.trainer import setup
 from sealrl.trainer.checkpoint import latest_checkpoint
-from sealrl.config import Config
+from sealrl.config import Config, MissingInputError
 from sealrl.trainer.evaluate import evaluate
 from sealrl.trainer.position import checkpoint_model_state
 
@@ -22,7 +22,7 @@ def evaluate_path(path: Path, cfg: Config, num: int | None, pass_k: int) -> dict
     elif (path / "checkpoints").is_dir():                    # an unfinished run
         folder = latest_checkpoint(path / "checkpoints")
         if folder is None:
-            raise FileNotFoundError(f"{path} has no final model and no committed checkpoint")
+            raise MissingInputError(f"{path} has no final model and no committed checkpoint")
         model_dir, weights = cfg.model.path, checkpoint_model_state(folder)
     else:                                                    # a Hugging Face model folder
         model_dir = path

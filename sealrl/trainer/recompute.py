@@ -37,7 +37,7 @@ from sealrl import algos
 from sealrl.experience import ExperienceBatch
 from sealrl.experience.fields import FIELDS, Kind
 from sealrl.experience.store import read_iteration, read_table, write_iteration
-from sealrl.config import Config, ConfigError, config_diff, load_config
+from sealrl.config import Config, ConfigError, MissingInputError, config_diff, load_config
 from sealrl.trainer.derive import derive   # the driver's own function: same numbers by construction
 
 # Keys whose change would need facts the run never produced (another sample set, other log-probs).
@@ -53,7 +53,7 @@ def recompute_run(run_dir: str | Path, overrides: list[str], out_name: str | Non
     new_cfg = _checked_config(run_dir, overrides)
     files = sorted((run_dir / "experience").glob("iter_*.parquet"))
     if not files:
-        raise FileNotFoundError(f"{run_dir / 'experience'} holds no iteration files")
+        raise MissingInputError(f"{run_dir / 'experience'} holds no iteration files")
     tag = out_name or hashlib.sha256("\n".join(sorted(overrides)).encode()).hexdigest()[:12]
     if not tag or "/" in tag or tag.startswith("."):
         raise ConfigError(f"--name must be a plain folder name, got {tag!r}")
@@ -64,7 +64,7 @@ def recompute_run(run_dir: str | Path, overrides: list[str], out_name: str | Non
     for expected, path in enumerate(files):
         original = read_iteration(path)
         if original.iteration != expected:  # the adaptive beta is a running product: no gaps
-            raise ValueError(f"{run_dir / 'experience'}: iteration {expected} is missing (found {path.name})")
+            raise MissingInputError(f"{run_dir / 'experience'}: iteration {expected} is missing (found {path.name})")
         _check_facts(original, new_cfg)
         batch = facts_only(original)
         beta = kl_ctl.beta
