@@ -49,7 +49,7 @@ def _eval(args) -> int:
         raise MissingInputError(f"{path} does not exist")
     run_cfg = next((p / "config.yaml" for p in (path, path.parent, path.parent.parent)
                     if (p / "config.yaml").is_file()), None)
-    cfg = load_config(str(run_cfg) if run_cfg else args.config, args.overrides)
+    cfg = load_config(str(run_cfg) if run_cfg else args.config, args.overrides, check_run=False)
     out = evaluate_path(path, cfg, num=args.num, pass_k=args.pass_k)
     print(json.dumps(out))
     return 0

@@ -38,6 +38,13 @@ class MissingInputError(UserError, FileNotFoundError):
     """A file or folder the user named does not exist, or is not the kind that was expected."""
 
 
+def relative_note(path: str | Path) -> str:
+    """The hint added to a missing-path error: relative paths mean the working directory."""
+    if Path(path).is_absolute():
+        return ""
+    return f" (relative paths are resolved against the working directory {Path.cwd()})"
+
+
 def _check(ok: bool, key: str, rule: str, value: Any) -> None:
     if not ok:
         raise ConfigError(f"{key} must be {rule}, got {value!r}", key)
@@ -394,8 +401,7 @@ def _key_lines(node, path: str, prefix: str = "", lines: dict | None = None) -> 
 def _read_yaml(path: str) -> tuple[Any, dict[str, int]]:
     p = Path(path)
     if not p.exists():
-        raise ConfigError(f"config file {path} does not exist (relative paths are resolved against "
-                          f"the working directory {Path.cwd()})")
+        raise ConfigError(f"config file {path} does not exist{relative_note(path)}")
     if not p.is_file():
         raise ConfigError(f"config file {path} is not a file")
     try:
@@ -413,8 +419,9 @@ def _read_yaml(path: str) -> tuple[Any, dict[str, int]]:
         loader.dispose()
 
 
-def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Config from a YAML file and overrides, with the cross-section rules (check_config).
+def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = (), check_run: bool = True) -> Config:
+    """Config from a YAML file and overrides; with check_run, also the rules across sections a
+    new run must meet (check_config; off to read a config that an earlier run recorded).
     An error about a value names where it came from: the file and line, or the override."""
     raw, lines = ({}, {})
     if path:
@@ -424,7 +431,8 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
             raise ConfigError(f"config file {path} must hold a mapping of sections")
     try:
         cfg = build_config(raw, overrides)
-        check_config(cfg)
+        if check_run:
+            check_config(cfg)
         return cfg
     except ConfigError as e:
         given = [o for o in overrides if e.key and o.partition("=")[0] == e.key]

@@ -67,7 +67,7 @@ def load_run(run_dir: str | Path) -> RunFolder:
     if not config.is_file():
         raise MissingInputError(f"{path} is not a run folder: no config.yaml")
     text = config.read_text()
-    cfg = load_config(str(config))
+    cfg = load_config(str(config), check_run=False)
     first = text.splitlines()[0] if text else ""
     hash_line = first.split(":", 1)[1].strip() if first.startswith("# config hash:") else ""
     # Config.hash() of the dict as written; not of the config rebuilt by today's code, whose new

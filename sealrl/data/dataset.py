@@ -28,7 +28,7 @@ from typing import Any, Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from sealrl.config import UserError
+from sealrl.config import UserError, relative_note
 
 COLUMNS = ("id", "prompt", "data_source", "reward_model", "extra_info")
 BAD_ROW_POLICIES = ("error", "drop")
@@ -397,8 +397,7 @@ def check_data_file(path: str | Path) -> None:
     if path.suffix not in (".parquet", ".jsonl"):
         raise DataFileError(f"{path}: unsupported extension {path.suffix!r}; use .parquet or .jsonl")
     if not path.exists():
-        raise DataFileError(f"{path}: no such file (relative paths are resolved against the working "
-                            f"directory {Path.cwd()})")
+        raise DataFileError(f"{path}: no such file{relative_note(path)}")
     if not path.is_file():
         raise DataFileError(f"{path}: is a directory, not a data file" if path.is_dir() else
                             f"{path}: not a regular file")

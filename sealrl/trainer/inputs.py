@@ -15,20 +15,16 @@ import json
 from pathlib import Path
 from typing import Iterable
 
-from sealrl.config import Config, ConfigError, check_config
+from sealrl.config import Config, ConfigError, check_config, relative_note
 from sealrl.data.dataset import DataFileError, PromptSet, has_rows
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
-def _relative_note(path: Path) -> str:
-    return "" if path.is_absolute() else f" (relative paths are resolved against the working directory {Path.cwd()})"
-
-
 def check_model_folder(path: str, key: str = "model.path") -> None:
     folder = Path(path)
     if not folder.exists():
-        raise ConfigError(f"{key}: {folder} does not exist{_relative_note(folder)}", key)
+        raise ConfigError(f"{key}: {folder} does not exist{relative_note(folder)}", key)
     if not folder.is_dir():
         raise ConfigError(f"{key}: {folder} is not a folder (a Hugging Face model folder is expected)", key)
     config = folder / "config.json"

@@ -49,7 +49,7 @@ _DERIVED_TENSORS = ("scores", "token_rewards", "advantages", "returns")
 def recompute_run(run_dir: str | Path, overrides: list[str], out_name: str | None = None) -> Path:
     """Re-derive every iteration of `run_dir` under `overrides`; returns the output folder."""
     run_dir = Path(run_dir)
-    old_cfg = load_config(str(run_dir / "config.yaml"))
+    old_cfg = load_config(str(run_dir / "config.yaml"), check_run=False)
     new_cfg = _checked_config(run_dir, overrides)
     files = sorted((run_dir / "experience").glob("iter_*.parquet"))
     if not files:
@@ -111,7 +111,7 @@ def _checked_config(run_dir: Path, overrides: list[str]) -> Config:
                               "(other keys would need a new rollout or training run)")
         if key in _NEEDS_NEW_FACTS:
             raise ConfigError(f"recompute cannot change {key}: {_NEEDS_NEW_FACTS[key]}")
-    return load_config(str(run_dir / "config.yaml"), overrides)
+    return load_config(str(run_dir / "config.yaml"), overrides, check_run=False)
 
 
 def _check_facts(batch: ExperienceBatch, cfg: Config) -> None:
