@@ -1,21 +1,21 @@
 """Command line: `sealrl train CONFIG [section.key=value ...]` and `sealrl eval PATH`.
 
-Expected failures (a wrong config value, a missing file, an unknown key, a refused resume)
-end with one line on stderr and exit status 2, not a traceback."""
+User errors (sealrl.config.UserError and its subclasses: ConfigError, MissingInputError,
+DatasetError, DataFileError, CheckpointError, ...: a wrong config value, a missing or bad
+file, an unknown key, a refused resume) end with one line on stderr and exit status 2. Any
+other exception is a bug: its full traceback is printed and the exit status is 1."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 # Idle OpenMP threads spin by default; on a 2-core machine a spinning thread that shares a core
 # with another process slows every matmul by 10x or more. Set before torch is imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, RuntimeError)
-
 
 def _train(args) -> int:
     from sealrl.config import load_config
@@ -24,6 +24,8 @@ def _train(args) -> int:
     overrides = [o for o in overrides if not o.startswith("resume=")]
     overrides += [f"run.{o}" for o in resume]   # `resume=auto` is shorthand for run.resume=auto
     cfg = load_config(args.config, overrides)   # before heavy imports: a bad key fails fast
+    from sealrl.trainer.inputs import check_inputs
+    check_inputs(cfg)                            # model folder and data files, before torch
     from sealrl.trainer.driver import train
     summary = train(cfg)
     before, after = summary["accuracy_before"], summary["accuracy_after"]
@@ -40,14 +42,14 @@ def _train(args) -> int:
 
 
 def _eval(args) -> int:
-    from sealrl.config import load_config
+    from sealrl.config import MissingInputError, load_config
     from sealrl.trainer.eval_cli import evaluate_path
     path = Path(args.path)
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist")
+        raise MissingInputError(f"{path} does not exist")
     run_cfg = next((p / "config.yaml" for p in (path, path.parent, path.parent.parent)
                     if (p / "config.yaml").is_file()), None)
-    cfg = load_config(str(run_cfg) if run_cfg else args.config, args.overrides)
+    cfg = load_config(str(run_cfg) if run_cfg else args.config, args.overrides, check_run=False)
     out = evaluate_path(path, cfg, num=args.num, pass_k=args.pass_k)
     print(json.dumps(out))
     return 0
@@ -84,15 +86,20 @@ def main(argv: list[str] | None = None) -> int:
     for add in (add_audit, add_report, add_recompute):
         add(sub)
     args = parser.parse_args(argv)
+    from sealrl.config import UserError
     try:
         _quiet_libraries()
         return args.fn(args)
     except KeyboardInterrupt:
         print("sealrl: interrupted", file=sys.stderr)
         return 130
-    except USER_ERRORS as e:
+    except UserError as e:
         print(f"sealrl: error: {e}", file=sys.stderr)
         return 2
+    except Exception:   # a bug, not the user's input: keep everything needed to find it
+        traceback.print_exc()
+        print("sealrl: internal error (the traceback above); please report it", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

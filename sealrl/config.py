@@ -21,13 +21,35 @@ from sealrl import algos
 EMBEDDED_MODEL = str(Path(__file__).resolve().parent / "assets" / "arith-tiny")
 
 
-class ConfigError(ValueError):
-    """A config value, key or file is wrong; the message is one line that says which."""
+class UserError(Exception):
+    """Something the user gave is wrong: a config value, a data file, a model or run folder.
+    The message is one line naming it; the CLI prints only that line and exits 2. Any other
+    exception is a bug and keeps its traceback (exit 1)."""
+
+
+class ConfigError(UserError, ValueError):
+    """A config value, key or file is wrong; the message is one line that says which.
+    `key` (`section.field`, or a section) lets load_config say where the value came from."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class MissingInputError(UserError, FileNotFoundError):
+    """A file or folder the user named does not exist, or is not the kind that was expected."""
+
+
+def relative_note(path: str | Path) -> str:
+    """The hint added to a missing-path error: relative paths mean the working directory."""
+    if Path(path).is_absolute():
+        return ""
+    return f" (relative paths are resolved against the working directory {Path.cwd()})"
 
 
 def _check(ok: bool, key: str, rule: str, value: Any) -> None:
     if not ok:
-        raise ConfigError(f"{key} must be {rule}, got {value!r}")
+        raise ConfigError(f"{key} must be {rule}, got {value!r}", key)
 
 
 def _check_one_of(value: str, options, key: str) -> None:
@@ -175,6 +197,10 @@ class ActorConfig:
         _check(self.dual_clip == 0 or self.dual_clip > 1, "actor.dual_clip", "0 or > 1", self.dual_clip)
         _check(0 <= self.clip_low < 1, "actor.clip_low", "in [0, 1)", self.clip_low)
         _check(self.clip_high >= 0, "actor.clip_high", ">= 0", self.clip_high)
+        # A ratio clipped to [1, 1] has zero gradient once it leaves 1: no update moves the policy.
+        _check(self.loss == "pg" or self.clip_low > 0 or self.clip_high > 0, "actor.clip_high",
+               "> 0 when actor.clip_low=0 (a [1, 1] clip range lets no update move the policy)",
+               self.clip_high)
         self.betas = tuple(self.betas)
 
 
@@ -290,7 +316,7 @@ def _coerce(key: str, raw: Any, typ: Any) -> Any:
     if expected is tuple and isinstance(value, list):
         value = tuple(value)
     if not isinstance(value, expected) or (expected in (int, float) and isinstance(value, bool)):
-        raise ConfigError(f"{key} must be of type {expected.__name__}, got {raw!r}")
+        raise ConfigError(f"{key} must be of type {expected.__name__}, got {raw!r}", key)
     return value
 
 
@@ -300,9 +326,9 @@ def build_config(raw: dict[str, Any] | None = None, overrides: list[str] | tuple
     sections = _section_types()
     for sec, body in (raw or {}).items():
         if sec not in sections:
-            raise ConfigError(f"unknown config section {sec!r}{_suggest(sec, list(sections))}")
+            raise ConfigError(f"unknown config section {sec!r}{_suggest(sec, list(sections))}", sec)
         if not isinstance(body, dict):
-            raise ConfigError(f"config section {sec!r} must be a mapping, got {body!r}")
+            raise ConfigError(f"config section {sec!r} must be a mapping, got {body!r}", sec)
         merged.setdefault(sec, {}).update(body)
     for item in overrides:
         key, eq, value = item.partition("=")
@@ -319,28 +345,104 @@ def build_config(raw: dict[str, Any] | None = None, overrides: list[str] | tuple
         for name, value in merged.get(sec, {}).items():
             if name not in hints:
                 all_keys = [f"{s}.{k}" for s, c in sections.items() for k in get_type_hints(c)]
-                raise ConfigError(f"unknown config key {sec}.{name}{_suggest(f'{sec}.{name}', all_keys)}")
+                raise ConfigError(f"unknown config key {sec}.{name}{_suggest(f'{sec}.{name}', all_keys)}",
+                                  f"{sec}.{name}")
             kwargs[name] = _coerce(f"{sec}.{name}", value, hints[name])
         try:
             built[sec] = cls(**kwargs)
+        except ConfigError:
+            raise
         except (TypeError, ValueError) as e:
-            raise ConfigError(str(e)) from None
+            raise ConfigError(str(e), sec) from None
     return Config(**built)
 
 
-def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    raw: dict = {}
+def check_config(cfg: Config) -> None:
+    """Rules across sections, checked for a whole run (load_config, trainer.inputs.check_inputs)
+    rather than at construction: unit tests build configs for one role without a consistent run."""
+    batch = cfg.data.prompts_per_iter * cfg.rollout.n
+    mini = cfg.actor.mini_batch_size
+    if mini and batch % mini:
+        raise ConfigError(f"actor.mini_batch_size={mini} must divide the batch data.prompts_per_iter * "
+                          f"rollout.n = {cfg.data.prompts_per_iter} * {cfg.rollout.n} = {batch}",
+                          "actor.mini_batch_size")
+
+
+def _yaml_error(path: str, e: yaml.YAMLError) -> ConfigError:
+    """PyYAML's message on one line, keeping its line and column (1-based)."""
+    if not isinstance(e, yaml.MarkedYAMLError):
+        return ConfigError(f"config file {path} is not valid YAML: {' '.join(str(e).split())}")
+    mark = e.problem_mark or e.context_mark
+    where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
+    context = f" ({e.context} from line {e.context_mark.line + 1})" if e.context and e.context_mark else ""
+    return ConfigError(f"config file {path} is not valid YAML at {where}: {e.problem or e.context}{context}")
+
+
+def _key_lines(node, path: str, prefix: str = "", lines: dict | None = None) -> dict[str, int]:
+    """The line of every key (`section`, `section.field`, ...); a key given twice in one
+    mapping is refused, since YAML would silently keep the last."""
+    lines = {} if lines is None else lines
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for k, v in node.value:
+            name = f"{prefix}{k.value}" if isinstance(k, yaml.ScalarNode) else None
+            if name is not None and k.tag != "tag:yaml.org,2002:merge":
+                if name in seen:
+                    raise ConfigError(f"config file {path}, line {k.start_mark.line + 1}: duplicate key "
+                                      f"{name} (first at line {seen[name]})", name)
+                seen[name] = lines[name] = k.start_mark.line + 1
+            _key_lines(v, path, f"{name}." if name else prefix, lines)
+    elif isinstance(node, yaml.SequenceNode):
+        for v in node.value:
+            _key_lines(v, path, prefix, lines)
+    return lines
+
+
+def _read_yaml(path: str) -> tuple[Any, dict[str, int]]:
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"config file {path} does not exist{relative_note(path)}")
+    if not p.is_file():
+        raise ConfigError(f"config file {path} is not a file")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path} cannot be read: {e}") from None
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        lines = _key_lines(node, path)
+        return (loader.construct_document(node) if node is not None else None), lines
+    except yaml.YAMLError as e:
+        raise _yaml_error(path, e) from None
+    finally:
+        loader.dispose()
+
+
+def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = (), check_run: bool = True) -> Config:
+    """Config from a YAML file and overrides; with check_run, also the rules across sections a
+    new run must meet (check_config; off to read a config that an earlier run recorded).
+    An error about a value names where it came from: the file and line, or the override."""
+    raw, lines = ({}, {})
     if path:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            raw = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        raw, lines = _read_yaml(path)
+        raw = raw or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections")
-    return build_config(raw, overrides)
+    try:
+        cfg = build_config(raw, overrides)
+        if check_run:
+            check_config(cfg)
+        return cfg
+    except ConfigError as e:
+        given = [o for o in overrides if e.key and o.partition("=")[0] == e.key]
+        if given:
+            raise ConfigError(f"{e} (from the override {given[-1]})", e.key) from None
+        if path and e.key in lines:
+            raise ConfigError(f"config file {path}, line {lines[e.key]}: {e}", e.key) from None
+        if path:
+            raise ConfigError(f"config file {path}: {e}", e.key) from None
+        raise
 
 
 def config_diff(old: dict, new: dict) -> list[str]:

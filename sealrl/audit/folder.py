@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from sealrl.config import Config, load_config
+from sealrl.config import Config, MissingInputError, load_config
 from sealrl.experience.store import read_table
 
 _ITER_FILE = re.compile(r"iter_(\d+)\.parquet")
@@ -62,12 +62,12 @@ class RunFolder:
 def load_run(run_dir: str | Path) -> RunFolder:
     path = Path(run_dir)
     if not path.is_dir():
-        raise FileNotFoundError(f"run folder {path} does not exist")
+        raise MissingInputError(f"run folder {path} does not exist")
     config = path / "config.yaml"
     if not config.is_file():
-        raise FileNotFoundError(f"{path} is not a run folder: no config.yaml")
+        raise MissingInputError(f"{path} is not a run folder: no config.yaml")
     text = config.read_text()
-    cfg = load_config(str(config))
+    cfg = load_config(str(config), check_run=False)
     first = text.splitlines()[0] if text else ""
     hash_line = first.split(":", 1)[1].strip() if first.startswith("# config hash:") else ""
     # Config.hash() of the dict as written; not of the config rebuilt by today's code, whose new

@@ -4,8 +4,16 @@ A row is `{"prompt": [{"role", "content"}, ...], "data_source": str, "reward_mod
 {"ground_truth": ..., "style": ...}, "extra_info": {...}, "id": optional}`; other columns are
 ignored. Every row becomes a typed `Prompt` with its prompt id, rendered text and token ids,
 or is rejected with a `DatasetError` naming file, row and field. A bad row is never silently
-"fixed": with on_bad_row="drop" it is skipped and counted by reason, so a run can report how
-much of its data it actually used.
+"fixed": with on_bad_row="drop" it is skipped, counted by reason and listed (`dropped_rows`:
+file, row, field, reason), so a run can report how much of its data it actually used. A file
+that cannot be read at all (missing, a folder, not Parquet, truncated) is a `DataFileError`.
+
+Rules beyond the types: a message's role is system | user | assistant | tool; a ground truth
+is a string or a number (an object only for the data sources in STRUCTURED_TRUTH, whose
+verifiers read one); rows nest at most MAX_DEPTH lists/objects deep. Length is bounded before
+any work: contents longer than max_prompt_tokens x (the longest vocabulary entry, in
+characters) cannot fit and are refused without rendering or tokenizing them, so a 10 MiB
+prompt costs a JSON parse, not a tokenizer pass.
 
 Rows are numbered from 0 in file order (for JSONL, row r is line r+1; blank lines count).
 """
@@ -20,11 +28,20 @@ from typing import Any, Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from sealrl.config import UserError, relative_note
+
 COLUMNS = ("id", "prompt", "data_source", "reward_model", "extra_info")
 BAD_ROW_POLICIES = ("error", "drop")
+ROLES = ("system", "user", "assistant", "tool")
+STRUCTURED_TRUTH = ("countdown",)   # data sources whose ground truth is an object
+MAX_DEPTH = 32                      # a verl row nests 3-4 levels; far deeper is an error
 
 
-class DatasetError(ValueError):
+class DataFileError(UserError, ValueError):
+    """A data file that cannot be read at all; the message names the file and the problem."""
+
+
+class DatasetError(UserError, ValueError):
     """A row that cannot become a Prompt. `reason` is a short key used for drop counts."""
 
     def __init__(self, source: str, row: int | None, field: str, reason: str, problem: str,
@@ -56,6 +73,17 @@ class Prompt:
     extra_info: dict
 
 
+@dataclass(frozen=True, slots=True)
+class DroppedRow:
+    """One row skipped under on_bad_row="drop"."""
+
+    source: str
+    row: int | None
+    field: str
+    reason: str
+    message: str
+
+
 @dataclass(slots=True)
 class PromptSet:
     """The prompts that passed validation, in file order, and what was dropped and why."""
@@ -66,6 +94,8 @@ class PromptSet:
     """reason -> number of rows dropped (on_bad_row="drop")."""
     drop_examples: list[str] = field(default_factory=list)
     """The first few drop messages, for logs."""
+    dropped_rows: list[DroppedRow] = field(default_factory=list)
+    """Every dropped row: where it was and why (written to the run folder as dropped_rows.jsonl)."""
 
     @property
     def num_dropped(self) -> int:
@@ -118,14 +148,19 @@ def _prompt_id(row: dict, source: str, r: int, stem: str) -> str:
     return f"{stem}:{r}"
 
 
-def _validate(row: Any, source: str, r: int, stem: str, tokenizer, max_prompt_tokens: int,
-              use_chat_template: bool) -> Prompt:
-    if not isinstance(row, dict):
-        raise DatasetError(source, r, "<row>", "wrong_type", "a row must be an object", row)
-    if (hit := _bad_text({k: row[k] for k in COLUMNS if k in row}, "<row>")) is not None:
-        raise DatasetError(source, r, hit[0].removeprefix("<row>."), "invalid_utf8",
-                           "not valid UTF-8", hit[1])
-    messages = row.get("prompt")
+def _depth(value: Any) -> int:
+    """Nesting depth of lists and dicts, without recursion (a hostile row cannot overflow it)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (list, dict)):
+            deepest = max(deepest, d)
+            if d <= MAX_DEPTH:   # deeper is refused anyway: stop walking
+                stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def _check_messages(messages: Any, source: str, r: int) -> tuple[dict, ...]:
     if messages is None:
         raise DatasetError(source, r, "prompt", "missing_field", "missing", has_value=False)
     if not isinstance(messages, list):
@@ -141,26 +176,42 @@ def _validate(row: Any, source: str, r: int, stem: str, tokenizer, max_prompt_to
                 raise DatasetError(source, r, f"{f}.{key}", "missing_field", "missing", has_value=False)
             if not isinstance(m[key], str):
                 raise DatasetError(source, r, f"{f}.{key}", "wrong_type", "must be a string", m[key])
+        if m["role"] not in ROLES:
+            raise DatasetError(source, r, f"{f}.role", "bad_role", f"must be one of {', '.join(ROLES)}",
+                               m["role"])
         if not m["content"]:
             raise DatasetError(source, r, f"{f}.content", "empty_prompt", "is empty", m["content"])
-    data_source = row.get("data_source")
-    if data_source is None:
-        raise DatasetError(source, r, "data_source", "missing_field", "missing", has_value=False)
-    if not isinstance(data_source, str) or not data_source:
-        raise DatasetError(source, r, "data_source", "wrong_type", "must be a non-empty string", data_source)
+    return tuple({"role": m["role"], "content": m["content"]} for m in messages)
+
+
+def _check_ground_truth(row: dict, data_source: str, source: str, r: int) -> Any:
     reward_model = row.get("reward_model")
     if reward_model is None:
         raise DatasetError(source, r, "reward_model", "missing_field", "missing", has_value=False)
     if not isinstance(reward_model, dict):
         raise DatasetError(source, r, "reward_model", "wrong_type", "must be an object", reward_model)
-    if reward_model.get("ground_truth") is None:
+    truth = reward_model.get("ground_truth")
+    if truth is None:
         raise DatasetError(source, r, "reward_model.ground_truth", "missing_field", "missing", has_value=False)
-    extra_info = row.get("extra_info")
-    if extra_info is not None and not isinstance(extra_info, dict):
-        raise DatasetError(source, r, "extra_info", "wrong_type", "must be an object", extra_info)
-    prompt_id = _prompt_id(row, source, r, stem)
+    if isinstance(truth, dict) and data_source in STRUCTURED_TRUTH:
+        return truth
+    if isinstance(truth, bool) or not isinstance(truth, (str, int, float)):
+        raise DatasetError(source, r, "reward_model.ground_truth", "wrong_type",
+                           "must be a string or a number (an object only for data_source "
+                           f"{' | '.join(STRUCTURED_TRUTH)}; else give it as a JSON string)", truth)
+    return truth
 
-    msgs = tuple({"role": m["role"], "content": m["content"]} for m in messages)
+
+def _render(msgs: tuple[dict, ...], source: str, r: int, tokenizer, max_prompt_tokens: int,
+            use_chat_template: bool, longest_token: int) -> tuple[str, list[int]]:
+    """Rendered text and token ids. Contents longer than max_prompt_tokens * longest_token
+    characters cannot fit, so they are refused before any rendering or tokenizing."""
+    num_chars = sum(len(m["content"]) for m in msgs)
+    if num_chars > max_prompt_tokens * longest_token:
+        raise DatasetError(source, r, "prompt", "too_long",
+                           f"{num_chars} characters cannot fit in max_prompt_tokens={max_prompt_tokens} "
+                           f"(no token of the vocabulary is longer than {longest_token} characters)",
+                           "".join(m["content"][:100] for m in msgs))
     if use_chat_template:
         # The template owns special tokens (a BOS, if the model wants one), so add none here.
         text = tokenizer.apply_chat_template(list(msgs), tokenize=False, add_generation_prompt=True)
@@ -179,9 +230,39 @@ def _validate(row: Any, source: str, r: int, stem: str, tokenizer, max_prompt_to
         bad = [c for c in text if tokenizer(c, add_special_tokens=False)["input_ids"] == [unk]]
         raise DatasetError(source, r, "prompt", "unknown_token",
                            f"characters outside the vocabulary: {''.join(dict.fromkeys(bad))!r}", text)
+    return text, ids
+
+
+def _validate(row: Any, source: str, r: int, stem: str, tokenizer, max_prompt_tokens: int,
+              use_chat_template: bool, longest_token: int) -> Prompt:
+    if not isinstance(row, dict):
+        raise DatasetError(source, r, "<row>", "wrong_type", "a row must be an object", row)
+    if _depth(row) > MAX_DEPTH:
+        raise DatasetError(source, r, "<row>", "too_deep", f"nested deeper than {MAX_DEPTH} levels",
+                           has_value=False)
+    if (hit := _bad_text({k: row[k] for k in COLUMNS if k in row}, "<row>")) is not None:
+        raise DatasetError(source, r, hit[0].removeprefix("<row>."), "invalid_utf8",
+                           "not valid UTF-8", hit[1])
+    msgs = _check_messages(row.get("prompt"), source, r)
+    data_source = row.get("data_source")
+    if data_source is None:
+        raise DatasetError(source, r, "data_source", "missing_field", "missing", has_value=False)
+    if not isinstance(data_source, str) or not data_source:
+        raise DatasetError(source, r, "data_source", "wrong_type", "must be a non-empty string", data_source)
+    ground_truth = _check_ground_truth(row, data_source, source, r)
+    extra_info = row.get("extra_info")
+    if extra_info is not None and not isinstance(extra_info, dict):
+        raise DatasetError(source, r, "extra_info", "wrong_type", "must be an object", extra_info)
+    prompt_id = _prompt_id(row, source, r, stem)
+    text, ids = _render(msgs, source, r, tokenizer, max_prompt_tokens, use_chat_template, longest_token)
     return Prompt(prompt_id=prompt_id, messages=msgs, text=text, token_ids=tuple(ids),
-                  data_source=data_source, ground_truth=reward_model["ground_truth"],
-                  extra_info=dict(extra_info or {}))
+                  data_source=data_source, ground_truth=ground_truth, extra_info=dict(extra_info or {}))
+
+
+def _longest_token(tokenizer) -> int:
+    """Characters in the longest vocabulary entry (special tokens included): a text of n
+    characters needs at least n / this many tokens."""
+    return max(1, max(map(len, tokenizer.get_vocab()), default=1))
 
 
 def _collect(rows: Iterable[tuple[int, Any]], source: str, stem: str, tokenizer,
@@ -193,11 +274,12 @@ def _collect(rows: Iterable[tuple[int, Any]], source: str, stem: str, tokenizer,
         raise ValueError(f"max_prompt_tokens must be a positive int, got {max_prompt_tokens!r}")
     out = PromptSet(prompts=[], source=source)
     first_row: dict[str, int] = {}
+    longest = _longest_token(tokenizer)
     for r, row in rows:
         try:
             if isinstance(row, DatasetError):
                 raise row
-            p = _validate(row, source, r, stem, tokenizer, max_prompt_tokens, use_chat_template)
+            p = _validate(row, source, r, stem, tokenizer, max_prompt_tokens, use_chat_template, longest)
             if p.prompt_id in first_row:
                 raise DatasetError(source, r, "id", "duplicate_id",
                                    f"duplicate prompt id (first at row {first_row[p.prompt_id]})",
@@ -206,6 +288,7 @@ def _collect(rows: Iterable[tuple[int, Any]], source: str, stem: str, tokenizer,
             if on_bad_row == "error":
                 raise
             out.dropped[e.reason] += 1
+            out.dropped_rows.append(DroppedRow(e.source, e.row, e.field, e.reason, str(e)))
             if len(out.drop_examples) < 10:
                 out.drop_examples.append(str(e))
             continue
@@ -242,6 +325,9 @@ def _read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
             yield r, json.loads(text)
         except json.JSONDecodeError as e:
             yield r, DatasetError(source, r, "<line>", "invalid_json", f"invalid JSON ({e.msg})", text)
+        except RecursionError:   # the C parser recurses once per level
+            yield r, DatasetError(source, r, "<line>", "too_deep", f"nested deeper than {MAX_DEPTH} "
+                                  "levels (too deep to parse)", has_value=False)
 
 
 def _as_binary(ty: pa.DataType) -> pa.DataType:
@@ -263,7 +349,10 @@ def _read_parquet(path: Path) -> Iterator[tuple[int, Any]]:
     """Only the verl columns are read; a column with invalid UTF-8 is re-read as bytes to name
     the rows and the nested field that hold it."""
     source = str(path)
-    table = pq.read_table(path, columns=[c for c in COLUMNS if c in pq.read_schema(path).names])
+    try:
+        table = pq.read_table(path, columns=[c for c in COLUMNS if c in pq.read_schema(path).names])
+    except (pa.ArrowException, OSError) as e:   # zero bytes, truncated, not Parquet at all
+        raise DataFileError(f"{path}: not a readable Parquet file ({' '.join(str(e).split())})") from None
     columns: dict[str, list] = {}
     bad: dict[int, DatasetError] = {}
     for name in table.column_names:
@@ -292,11 +381,41 @@ def load_prompts(path: str | Path, tokenizer, max_prompt_tokens: int,
                  use_chat_template: bool = True, on_bad_row: str = "error") -> PromptSet:
     """Load and validate a `.parquet` or `.jsonl` file (see module docstring)."""
     path = Path(path)
-    readers = {".parquet": _read_parquet, ".jsonl": _read_jsonl}
-    if path.suffix not in readers:
-        raise ValueError(f"{path}: unsupported extension {path.suffix!r}; use .parquet or .jsonl")
-    return _collect(readers[path.suffix](path), str(path), path.stem, tokenizer,
-                    max_prompt_tokens, use_chat_template, on_bad_row)
+    check_data_file(path)
+    reader = _read_parquet if path.suffix == ".parquet" else _read_jsonl
+    try:
+        return _collect(reader(path), str(path), path.stem, tokenizer,
+                        max_prompt_tokens, use_chat_template, on_bad_row)
+    except OSError as e:   # e.g. permission denied, or an I/O error while reading
+        raise DataFileError(f"{path}: cannot be read ({e.strerror or e})") from None
+
+
+def check_data_file(path: str | Path) -> None:
+    """Cheap checks before loading: a .parquet or .jsonl file that exists and is a file.
+    Relative paths are resolved against the working directory."""
+    path = Path(path)
+    if path.suffix not in (".parquet", ".jsonl"):
+        raise DataFileError(f"{path}: unsupported extension {path.suffix!r}; use .parquet or .jsonl")
+    if not path.exists():
+        raise DataFileError(f"{path}: no such file{relative_note(path)}")
+    if not path.is_file():
+        raise DataFileError(f"{path}: is a directory, not a data file" if path.is_dir() else
+                            f"{path}: not a regular file")
+
+
+def has_rows(path: str | Path) -> bool:
+    """Whether a data file holds any row, without loading it: the Parquet footer, or a
+    non-blank byte in a JSONL file. Raises DataFileError for a file that cannot be read."""
+    path = Path(path)
+    check_data_file(path)
+    try:
+        if path.suffix == ".parquet":
+            return pq.read_metadata(path).num_rows > 0
+        with open(path, "rb") as f:
+            return any(chunk.strip() for chunk in iter(lambda: f.read(1 << 16), b""))
+    except (pa.ArrowException, OSError) as e:
+        what = "a readable Parquet file" if path.suffix == ".parquet" else "readable"
+        raise DataFileError(f"{path}: not {what} ({' '.join(str(e).split())})") from None
 
 
 def prompts_from_rows(rows: Iterable[dict], tokenizer, max_prompt_tokens: int,

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
+from sealrl.config import MissingInputError, UserError
+
 # Config keys that describe how a model was saved or run, not what it computes: a bf16 copy
 # of the same architecture, or the same folder moved elsewhere, has the same config hash.
 _RUNTIME_CONFIG_KEYS = frozenset({
@@ -27,7 +29,7 @@ _RUNTIME_CONFIG_KEYS = frozenset({
 })
 
 
-class TokenizerMismatchError(ValueError):
+class TokenizerMismatchError(UserError, ValueError):
     """Two roles would read the same token ids as different text."""
 
 
@@ -36,7 +38,7 @@ def load_causal_lm(path: str | Path, trust_remote_code: bool = False,
     """(model in eval mode, tokenizer) from a local HF folder; safetensors weights only."""
     folder = Path(path)
     if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"load_causal_lm: {folder} is not a Hugging Face model folder "
+        raise MissingInputError(f"load_causal_lm: {folder} is not a Hugging Face model folder "
                                 f"(no config.json)")
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True,
                                               trust_remote_code=trust_remote_code)

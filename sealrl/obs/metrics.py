@@ -16,6 +16,8 @@ import re
 import time
 from pathlib import Path
 
+from sealrl.config import UserError
+
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, loggers: str = "tensorboard"):
@@ -127,11 +129,15 @@ def mlflow_key(key: str) -> str:
     return re.sub(r"[^\w\-./: ]", "_", key)
 
 
+class MissingPackageError(UserError, RuntimeError):
+    """An optional package the config asks for is not installed; the message says what to install."""
+
+
 def _require(module: str, extra: str):
     try:
         return __import__(module)
     except ImportError as e:
-        raise RuntimeError(f"run.loggers={module} needs the {module} package: "
+        raise MissingPackageError(f"run.loggers={module} needs the {module} package: "
                            f"pip install 'sealrl[{extra}]' ({e})") from None
 
 

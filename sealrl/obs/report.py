@@ -16,6 +16,7 @@ import time
 from html import escape
 from pathlib import Path
 
+from sealrl.config import MissingInputError
 from sealrl.obs.metrics import read_metrics
 from sealrl.obs.svg import PALETTE, Series, as_float, line_chart, stacked_bars
 from sealrl.obs.timeline import mean_stage_shares, stage_breakdown
@@ -200,7 +201,7 @@ def render(run_dir: Path) -> str:
 def write_report(run_dir: Path, out: Path | None = None) -> Path:
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
-        raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: not a sealrl run folder")
+        raise MissingInputError(f"{run_dir} has no metrics.jsonl: not a sealrl run folder")
     out = Path(out) if out is not None else run_dir / "report.html"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")

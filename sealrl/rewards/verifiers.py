@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -21,6 +22,11 @@ from typing import Any
 
 from sealrl.rewards.base import RawScore, RewardFunction, RewardSample, check_raw
 from sealrl.rewards.countdown import countdown_value
+
+# math-verify warns "Timeout is disabled" once per process: its timeouts are off on purpose (see
+# MathVerifier), so the line is noise a user cannot act on. Its other warnings report timeouts,
+# which cannot fire with timeouts off. Set by name: math_verify need not be imported yet.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 DEFAULT_EOS_TEXT = "<eos>"  # the eos text of sealrl.models.tiny; decoders may leave it in
 

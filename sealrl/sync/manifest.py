@@ -20,10 +20,11 @@ from typing import NamedTuple
 
 import torch
 
+from sealrl.config import UserError
 from sealrl.experience.ids import PolicyVersion
 
 
-class WeightSyncError(RuntimeError):
+class WeightSyncError(UserError, RuntimeError):
     """Staged weights do not match the manifest; `tensor` names the first bad one.
     Pickles with its fields (it crosses process boundaries from Ray rollout replicas)."""
 

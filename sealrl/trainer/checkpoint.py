@@ -20,12 +20,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sealrl import faults
+from sealrl.config import UserError
 
 MARKER = "COMMITTED"
 LATEST = "latest"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint cannot be written or loaded; the message names the part."""
 
 

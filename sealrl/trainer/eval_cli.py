@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sealrl.config import Config
+from sealrl.config import Config, MissingInputError
 from sealrl.models.hf import load_causal_lm, model_config_hash, tokenizer_hash
 from sealrl.roles.rollout import Rollout
 from sealrl.sync.manifest import build_manifest
@@ -22,7 +22,7 @@ def evaluate_path(path: Path, cfg: Config, num: int | None, pass_k: int) -> dict
     elif (path / "checkpoints").is_dir():                    # an unfinished run
         folder = latest_checkpoint(path / "checkpoints")
         if folder is None:
-            raise FileNotFoundError(f"{path} has no final model and no committed checkpoint")
+            raise MissingInputError(f"{path} has no final model and no committed checkpoint")
         model_dir, weights = cfg.model.path, checkpoint_model_state(folder)
     else:                                                    # a Hugging Face model folder
         model_dir = path

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from sealrl import algos
-from sealrl.config import Config, ConfigError, config_diff, load_config
+from sealrl.config import Config, ConfigError, MissingInputError, config_diff, load_config
 from sealrl.experience import ExperienceBatch
 from sealrl.experience.fields import FIELDS, Kind
 from sealrl.experience.store import read_iteration, read_table, write_iteration
@@ -49,11 +49,11 @@ _DERIVED_TENSORS = ("scores", "token_rewards", "advantages", "returns")
 def recompute_run(run_dir: str | Path, overrides: list[str], out_name: str | None = None) -> Path:
     """Re-derive every iteration of `run_dir` under `overrides`; returns the output folder."""
     run_dir = Path(run_dir)
-    old_cfg = load_config(str(run_dir / "config.yaml"))
+    old_cfg = load_config(str(run_dir / "config.yaml"), check_run=False)
     new_cfg = _checked_config(run_dir, overrides)
     files = sorted((run_dir / "experience").glob("iter_*.parquet"))
     if not files:
-        raise FileNotFoundError(f"{run_dir / 'experience'} holds no iteration files")
+        raise MissingInputError(f"{run_dir / 'experience'} holds no iteration files")
     tag = out_name or hashlib.sha256("\n".join(sorted(overrides)).encode()).hexdigest()[:12]
     if not tag or "/" in tag or tag.startswith("."):
         raise ConfigError(f"--name must be a plain folder name, got {tag!r}")
@@ -64,7 +64,7 @@ def recompute_run(run_dir: str | Path, overrides: list[str], out_name: str | Non
     for expected, path in enumerate(files):
         original = read_iteration(path)
         if original.iteration != expected:  # the adaptive beta is a running product: no gaps
-            raise ValueError(f"{run_dir / 'experience'}: iteration {expected} is missing (found {path.name})")
+            raise MissingInputError(f"{run_dir / 'experience'}: iteration {expected} is missing (found {path.name})")
         _check_facts(original, new_cfg)
         batch = facts_only(original)
         beta = kl_ctl.beta
@@ -111,7 +111,7 @@ def _checked_config(run_dir: Path, overrides: list[str]) -> Config:
                               "(other keys would need a new rollout or training run)")
         if key in _NEEDS_NEW_FACTS:
             raise ConfigError(f"recompute cannot change {key}: {_NEEDS_NEW_FACTS[key]}")
-    return load_config(str(run_dir / "config.yaml"), overrides)
+    return load_config(str(run_dir / "config.yaml"), overrides, check_run=False)
 
 
 def _check_facts(batch: ExperienceBatch, cfg: Config) -> None:

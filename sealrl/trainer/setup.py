@@ -115,6 +115,8 @@ def build_data(cfg: Config, tokenizer) -> Data:
                                   source=f"{d.task}-test", **kw)
     if not len(train):
         raise ConfigError(f"no usable training prompts in {train.source}")
+    if d.task == "file" and d.eval_file and not len(evals):
+        raise ConfigError(f"no usable eval prompts in {evals.source}")
     data_hash = digest([(p.prompt_id, p.token_ids) for p in train.prompts])
     return Data(train, evals, data_hash)
 
