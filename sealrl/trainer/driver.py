@@ -19,29 +19,34 @@ from sealrl.obs.progress import Progress
 from sealrl.trainer import drills, setup
 from sealrl.trainer.collect import generate, score
 from sealrl.trainer.evaluate import evaluate
+from sealrl.trainer.inputs import check_inputs, write_dropped_rows
 from sealrl.trainer.iteration_metrics import rollout_metrics, share_metrics
 from sealrl.trainer.ledger import new_iteration
 from sealrl.trainer.position import forget_after, restore_position, save_position
 from sealrl.trainer.prepare import build_batch, prepare, seal
 from sealrl.trainer.record import record
 from sealrl.trainer.setup import Run
-from sealrl.trainer.state import Phase
+from sealrl.trainer.state import Phase, StageFailed
 from sealrl.trainer.update import update
 
 
 def train(cfg: Config) -> dict:
     """Run (or resume) a training run; returns the summary also written to summary.json.
     Scorer processes are closed and torch's thread count restored however the run ends."""
+    check_inputs(cfg)   # paths and config rules, before anything is loaded or written
     threads = torch.get_num_threads()
     setup.make_deterministic(cfg)
-    run_dir = setup.open_run_dir(cfg)
-    lock = setup.lock_run_dir(run_dir)
-    roles = setup.build_roles(cfg, cfg.run.name)
+    roles, lock = setup.build_roles(cfg, cfg.run.name), None
     try:
-        return _train(setup.build_run(cfg, run_dir, roles, setup.build_data(cfg, roles.tokenizer)))
+        data = setup.build_data(cfg, roles.tokenizer)   # every row checked before the run folder exists
+        run_dir = setup.open_run_dir(cfg)
+        lock = setup.lock_run_dir(run_dir)
+        write_dropped_rows(run_dir, (data.train, data.eval))
+        return _train(setup.build_run(cfg, run_dir, roles, data))
     finally:
         roles.close()
-        lock.close()
+        if lock is not None:
+            lock.close()
         torch.set_num_threads(threads)
 
 
@@ -137,7 +142,7 @@ def run_iteration(run: Run, it: int, version) -> dict:
     ledger.commit(list(kept))
     metrics = {**ledger.counts(), **rollout_metrics(groups, records, run.timer.stage_seconds["generate"])}
     if not kept:
-        raise RuntimeError(f"iteration {it}: every group was dropped ({ledger.rows()[0]['reason']})")
+        raise StageFailed(f"iteration {it}: every group was dropped ({ledger.rows()[0]['reason']})")
     batch = build_batch(run, it, kept, records, prompt_of, texts, version)
     prepare(run, batch, version)
     seal(batch)

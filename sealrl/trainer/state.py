@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import enum
 
+from sealrl.config import UserError
+
 
 class Phase(str, enum.Enum):
     ACTOR_COMMITTED = "ACTOR_COMMITTED"
@@ -22,7 +24,12 @@ _NEXT = {p: _ORDER[(i + 1) % len(_ORDER)] for i, p in enumerate(_ORDER)}
 
 
 class IllegalTransition(RuntimeError):
-    pass
+    """The driver tried a transition the state machine does not have: a bug, never a user error."""
+
+
+class StageFailed(UserError, RuntimeError):
+    """A stage failed past its retries (every group dropped, an update that kept failing): the
+    run stops, named, at the last committed checkpoint; resume=auto continues from there."""
 
 
 class StateMachine:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from sealrl.experience import ExperienceBatch
 from sealrl.trainer.derive import derive
+from sealrl.trainer.state import StageFailed
 
 
 def update(run, batch: ExperienceBatch, version, it: int) -> dict:
@@ -36,6 +37,6 @@ def update_with_rollback(run, batch: ExperienceBatch, version, it: int) -> dict:
             for role, snap in snaps:
                 role.restore(snap)
             if attempt == retries:
-                raise RuntimeError(f"iteration {it}: update failed at attempt {attempt + 1} "
+                raise StageFailed(f"iteration {it}: update failed at attempt {attempt + 1} "
                                    f"({type(e).__name__}: {e}); weights and optimizer restored") from e
     raise AssertionError("unreachable")
