@@ -63,6 +63,16 @@ def rollout_metrics(groups, records, generate_s: float) -> dict[str, float]:
     return out
 
 
+def ref_kl(batch: ExperienceBatch) -> float:
+    """`kl/ref_kl`, what the adaptive KL controller steps on: mean k3 of old vs reference
+    log-probs over action tokens (0 without a reference)."""
+    if not batch.has("ref_log_probs"):
+        return 0.0
+    mask = batch.get("response_mask")
+    k3 = algos.kl_penalty(batch.get("old_log_probs"), batch.get("ref_log_probs"), "k3")
+    return float((k3 * mask).sum() / mask.sum().clamp(min=1))
+
+
 def batch_metrics(batch: ExperienceBatch, consumed_step: int, sampled_version_step: int) -> dict[str, float]:
     """Log-prob consistency, trained tokens and experience age of the consumed batch."""
     mask = batch.get("response_mask")
@@ -73,8 +83,7 @@ def batch_metrics(batch: ExperienceBatch, consumed_step: int, sampled_version_st
         ref = batch.get("ref_log_probs")
         out.update({f"logprob/old_vs_ref_{k}": float(v) for k, v in algos.mismatch_metrics(ref, old, mask).items()
                     if k in ("k1", "k3", "log_prob_abs_diff_max")})
-        k3 = algos.kl_penalty(old, ref, "k3")
-        out["kl/ref_kl"] = float((k3 * mask).sum() / mask.sum().clamp(min=1))
+        out["kl/ref_kl"] = ref_kl(batch)
     out["e2e/trained_tokens"] = float(mask.sum())
     out["e2e/accepted_groups"] = float(len(set(batch.group_ids)))
     # Synchronous training: experience sampled by version step s is consumed by the optimizer

@@ -38,7 +38,8 @@ from sealrl.config import Config, ConfigError, MissingInputError, config_diff, l
 from sealrl.experience import ExperienceBatch
 from sealrl.experience.fields import FIELDS, Kind
 from sealrl.experience.store import read_iteration, read_table, write_iteration
-from sealrl.trainer.derive import derive  # the driver's own function: same numbers by construction
+from sealrl.trainer.derive import derive
+from sealrl.trainer.iteration_metrics import ref_kl  # the driver's own function: same numbers by construction
 
 # Keys whose change would need facts the run never produced (another sample set, other log-probs).
 _NEEDS_NEW_FACTS = {"algorithm.old_log_prob": "the proximal log-probs are a fact of the run",
@@ -71,7 +72,7 @@ def recompute_run(run_dir: str | Path, overrides: list[str], out_name: str | Non
         derive(batch, new_cfg.algorithm, beta, new_cfg.rollout.max_new_tokens,
                f"{new_cfg.algorithm.name}@{original.iteration}")
         if new_cfg.algorithm.kl_target > 0:
-            kl_ctl.update(_ref_kl(batch), len(batch))
+            kl_ctl.update(ref_kl(batch), len(batch))
         table, _ = read_table(path)
         consumed = table.column("consumed_step")[0].as_py() if table.num_rows else None
         extra = {n[len("extra."):]: table.column(n).to_pylist() for n in table.column_names
@@ -129,13 +130,6 @@ def _kl_controller(cfg: Config):
             else algos.FixedKLController(a.kl_coef))
 
 
-def _ref_kl(batch: ExperienceBatch) -> float:
-    """The driver's `kl/ref_kl`: mean k3 of old vs reference log-probs over action tokens."""
-    if not batch.has("ref_log_probs"):
-        return 0.0
-    mask = batch.get("response_mask")
-    k3 = algos.kl_penalty(batch.get("old_log_probs"), batch.get("ref_log_probs"), "k3")
-    return float((k3 * mask).sum() / mask.sum().clamp(min=1))
 
 
 def _logged_betas(run_dir: Path) -> dict[int, float]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from sealrl.experience import ExperienceBatch
 from sealrl.trainer.derive import derive
+from sealrl.trainer.iteration_metrics import ref_kl
 from sealrl.trainer.state import StageFailed
 
 
@@ -16,7 +17,7 @@ def update(run, batch: ExperienceBatch, version, it: int) -> dict:
         metrics.update(update_with_rollback(run, batch, version, it))
     metrics["kl/beta"] = run.kl_ctl.beta          # the beta this iteration used
     if cfg.algorithm.kl_target > 0:
-        run.kl_ctl.update(metrics.get("kl/ref_kl", 0.0), len(batch))
+        run.kl_ctl.update(ref_kl(batch), len(batch))
     return metrics
 
 
