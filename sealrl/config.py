@@ -69,7 +69,7 @@ class RunConfig:
     resume: str = "never"                  # never | auto (continue from the latest committed checkpoint)
     checkpoint_every: int = 0              # iterations between checkpoints; 0 = only at the end
     eval_every: int = 0                    # iterations between held-out evaluations; 0 = before/after only
-    max_wall_s: float = 0.0                # stop after this much training time (0 = no limit)
+    max_wall_s: float = 0.0                # training seconds, then a clean stop: checkpoint, exit 0 (0 = none)
     threads: int = 0                       # torch threads (0 = leave torch's default)
     update_retries: int = 1                # a failed update is rolled back and tried again this often
     stage_timeout_s: float = 3600.0        # deadline of each driver stage; expiry exits 4 naming it (0 = none)

@@ -34,3 +34,18 @@ def test_eval_run_checkpoint_and_model_folder(tmp_path):
     assert json.loads(bare.stdout)["eval/accuracy"] == final["eval/accuracy"]
     missing = _cli("eval", str(tmp_path / "nope"))
     assert missing.returncode == 2 and missing.stderr.startswith("sealrl: error:")
+
+
+def test_a_wall_cap_stops_cleanly_at_an_iteration_boundary(tmp_path):
+    """run.max_wall_s is a user's choice, not a failure: the run stops after the iteration that
+    crossed it, with a committed checkpoint, says so, exits 0 and records completed: false."""
+    cfg = tmp_path / "empty.yaml"
+    cfg.write_text("{}\n")
+    out = _cli("train", str(cfg), f"run.output_dir={tmp_path}", "run.name=cap", "run.iterations=5",
+               "run.max_wall_s=0.001", "run.progress=false", "data.num_train=16", "eval.num=4",
+               "data.prompts_per_iter=2", "rollout.n=2", "run.loggers=")
+    assert out.returncode == 0, out.stderr[-800:]
+    assert "stopped at the wall cap (run.max_wall_s=0.001) after 1 of 5 iterations" in out.stderr
+    summary = json.loads((tmp_path / "cap" / "summary.json").read_text())
+    assert summary["completed"] is False and summary["iterations"] == 1
+    assert (tmp_path / "cap" / "checkpoints" / "latest").read_text() == "step_1"

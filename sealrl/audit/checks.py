@@ -63,7 +63,9 @@ def check_seal(run: RunFolder) -> Iterator[Violation]:
 
 def check_used_once(run: RunFolder) -> Iterator[Violation]:
     """Each trained sample is in one file, once; consumed_step is set, constant within a file and
-    strictly increasing across iterations (each batch is consumed by one later update)."""
+    never decreasing across iterations (each batch is consumed by one later update; it stays
+    equal only across an iteration whose optimizer steps were all skipped, which
+    check_policy_version holds to publishing nothing)."""
     seen: dict[str, list[int]] = defaultdict(list)
     prev: tuple[int, int] | None = None            # (iteration, consumed_step)
     for f in run.readable:
@@ -84,8 +86,8 @@ def check_used_once(run: RunFolder) -> Iterator[Violation]:
             yield Violation("used_once", f"rows consumed by different steps {sorted(steps)}", f.iteration)
             continue
         step = steps.pop()
-        if prev is not None and step <= prev[1]:
-            yield Violation("used_once", f"consumed_step {step} is not after iteration {prev[0]}'s {prev[1]}",
+        if prev is not None and step < prev[1]:
+            yield Violation("used_once", f"consumed_step {step} is before iteration {prev[0]}'s {prev[1]}",
                             f.iteration)
         prev = (f.iteration, step)
     for sid, iters in seen.items():
@@ -162,8 +164,10 @@ def check_policy_version(run: RunFolder) -> Iterator[Violation]:
             yield v(f"sampled by {pv} (step {version.step}) but the version committed before this iteration "
                     f"is step {expected}")
         consumed = f.one("consumed_step")
-        if consumed is not None and consumed <= version.step:
-            yield v(f"consumed at step {consumed}, not after the sampling version's step {version.step}")
+        # equal: every optimizer step of the iteration was skipped (non-finite gradients), so no
+        # new version was committed; the next iteration's chain check then holds it to that
+        if consumed is not None and consumed < version.step:
+            yield v(f"consumed at step {consumed}, before the sampling version's step {version.step}")
         elif consumed is not None:
             actor = run.cfg.actor   # steps skipped for a non-finite gradient do not count: at most
             most = actor.ppo_epochs * -(-f.num_rows // (actor.mini_batch_size or f.num_rows))

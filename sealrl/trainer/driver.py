@@ -26,7 +26,7 @@ from sealrl.trainer.position import forget_after, restore_position, save_positio
 from sealrl.trainer.prepare import build_batch, prepare, seal
 from sealrl.trainer.record import record
 from sealrl.trainer.setup import Run
-from sealrl.trainer.state import Phase, StageFailed
+from sealrl.trainer.state import Phase, StageFailed, committed_id
 from sealrl.trainer.update import update
 
 
@@ -75,8 +75,9 @@ def _train(run: Run) -> dict:
     for it in range(start, cfg.run.iterations):
         t0 = time.perf_counter()
         metrics = run_iteration(run, it, version)
-        version = publish(run)   # ACTOR_COMMITTED(v+1) -> ... -> ROLLOUT_READY(v+1)
-        metrics["time/weight_sync_s"] = run.timer.stage_seconds["weight_sync"]
+        if run.sm.committed != committed_id(version.id):   # else every step was skipped: nothing new
+            version = publish(run)   # ACTOR_COMMITTED(v+1) -> ... -> ROLLOUT_READY(v+1)
+        metrics["time/weight_sync_s"] = run.timer.stage_seconds.get("weight_sync", 0.0)
         metrics["time/iteration_s"] = time.perf_counter() - t0
         metrics.update(share_metrics(metrics))
         wall += metrics["time/iteration_s"]          # training time: evaluation is not counted
@@ -90,6 +91,7 @@ def _train(run: Run) -> dict:
             with run.stage("checkpoint", "driver"):
                 save_position(run.dir, it + 1, cfg, roles, run.sampler, run.kl_ctl, data.hash,
                               {"accuracy_before": before, "train_wall_s": wall})
+            run.to(Phase.CHECKPOINT_DURABLE, f"step_{it + 1}")
         run.timer.flush()
         if last:
             break
@@ -149,7 +151,9 @@ def run_iteration(run: Run, it: int, version) -> dict:
     run.to(Phase.EXPERIENCE_SEALED, version.id)
     run.to(Phase.UPDATING_FROM, version.id)  # advantages on the driver, then critic and actor updates
     metrics.update(update(run, batch, version, it))
-    run.to(Phase.ACTOR_COMMITTED, f"step{roles.actor.step}")
+    stepped = roles.actor.step != version.step   # False when every optimizer step was skipped
+    run.to(Phase.ACTOR_COMMITTED, f"{cfg.run.name}@{roles.actor.step}.{roles.actor.attempt}" if stepped
+           else committed_id(version.id))
     metrics.update(record(run, it, batch, ledger, version, served))
     metrics.update({f"time/{k}_s": v for k, v in run.timer.stage_seconds.items()})
     return metrics

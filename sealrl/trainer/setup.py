@@ -300,7 +300,7 @@ class Run:
     def to(self, phase: Phase, version: str) -> None:
         """A checked transition of the state machine, marked in the trace."""
         self.sm.to(phase, version)
-        self.timer.mark(phase.value, version)
+        self.timer.mark(phase.value, self.sm.active if phase is Phase.CHECKPOINT_DURABLE else version)
 
 
 def build_run(cfg: Config, run_dir: Path, roles: Roles, data: Data) -> Run:
