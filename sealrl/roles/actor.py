@@ -11,7 +11,8 @@ from sealrl import algos, faults
 from sealrl.experience import ExperienceBatch, PolicyVersion, Role
 from sealrl.models.hf import model_config_hash
 from sealrl.models.logprobs import response_log_probs
-from sealrl.roles.common import batch_log_probs, clone_state, lr_at, optimizer_step, pad_width
+from sealrl.roles import common
+from sealrl.roles.common import batch_log_probs, lr_at, optimizer_step, pad_width
 from sealrl.roles.distributed import all_reduce_sums, idle_passes, own_rows, world
 from sealrl.sync.manifest import WeightManifest, build_manifest
 
@@ -86,21 +87,15 @@ class Actor:
 
     # ---- rollback -----------------------------------------------------------------------
     def snapshot(self) -> dict:
-        """The committed state (weights, optimizer, counters) to restore if an update fails."""
-        return {"model": clone_state(self.model.state_dict()), "optim": clone_state(self.optimizer.state_dict()),
-                "step": self.step, "skipped": self.skipped_steps}
+        return common.snapshot(self)
+
+    def restore(self, snap: dict) -> None:
+        common.restore(self, snap)
+        self._kept = None  # its graph saw the weights before they were loaded again
 
     def set_counters(self, **counters: int) -> None:
         """Restoring a checkpoint (position.py): step and the other counters."""
-        for name, value in counters.items():
-            setattr(self, name, value)
-
-    def restore(self, snap: dict) -> None:
-        self.model.load_state_dict(snap["model"])
-        self.optimizer.load_state_dict(snap["optim"])
-        self.step, self.skipped_steps = snap["step"], snap["skipped"]
-        self.optimizer.zero_grad(set_to_none=True)
-        self._kept = None  # its graph saw the weights before they were loaded again
+        vars(self).update(counters)
 
     # ---- update -------------------------------------------------------------------------
     def update(self, batch: ExperienceBatch, version: PolicyVersion, iteration: int, seed: int) -> dict:

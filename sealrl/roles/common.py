@@ -26,6 +26,20 @@ def clone_state(x):
     return x
 
 
+def snapshot(role) -> dict:
+    """A training role's committed state (weights, optimizer, counters), to restore if an
+    update fails."""
+    return {"model": clone_state(role.model.state_dict()), "optim": clone_state(role.optimizer.state_dict()),
+            "step": role.step, "skipped": role.skipped_steps}
+
+
+def restore(role, snap: dict) -> None:
+    role.model.load_state_dict(snap["model"])
+    role.optimizer.load_state_dict(snap["optim"])
+    role.step, role.skipped_steps = snap["step"], snap["skipped"]
+    role.optimizer.zero_grad(set_to_none=True)
+
+
 def pad_width(x: torch.Tensor, width: int) -> torch.Tensor:
     """Right-pad (B, r) to (B, width) with zeros (padding never contributes)."""
     return F.pad(x, (0, width - x.shape[1])) if x.shape[1] < width else x

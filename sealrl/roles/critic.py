@@ -10,7 +10,8 @@ import torch
 from sealrl import algos
 from sealrl.experience import ExperienceBatch, Role
 from sealrl.models.critic import CriticModel
-from sealrl.roles.common import clone_state, lr_at, optimizer_step, pad_width
+from sealrl.roles import common
+from sealrl.roles.common import lr_at, optimizer_step, pad_width
 from sealrl.roles.distributed import all_reduce_sums, idle_passes, own_rows
 
 if TYPE_CHECKING:
@@ -53,19 +54,14 @@ class Critic:
         batch.put("last_values", torch.cat(lasts).cpu(), Role.CRITIC, self.version)
 
     def snapshot(self) -> dict:
-        return {"model": clone_state(self.model.state_dict()), "optim": clone_state(self.optimizer.state_dict()),
-                "step": self.step, "skipped": self.skipped_steps}
+        return common.snapshot(self)
+
+    def restore(self, snap: dict) -> None:
+        common.restore(self, snap)
 
     def set_counters(self, **counters: int) -> None:
         """Restoring a checkpoint (position.py): step and the other counters."""
-        for name, value in counters.items():
-            setattr(self, name, value)
-
-    def restore(self, snap: dict) -> None:
-        self.model.load_state_dict(snap["model"])
-        self.optimizer.load_state_dict(snap["optim"])
-        self.step, self.skipped_steps = snap["step"], snap["skipped"]
-        self.optimizer.zero_grad(set_to_none=True)
+        vars(self).update(counters)
 
     def update(self, batch: ExperienceBatch) -> dict[str, float]:
         """One pass of value-loss steps over the whole batch (global normaliser)."""
