@@ -16,8 +16,6 @@ from typing import Any, get_type_hints
 
 import yaml
 
-from sealrl import algos
-
 EMBEDDED_MODEL = str(Path(__file__).resolve().parent / "assets" / "arith-tiny")
 
 
@@ -52,8 +50,11 @@ def _check(ok: bool, key: str, rule: str, value: Any) -> None:
         raise ConfigError(f"{key} must be {rule}, got {value!r}", key)
 
 
-def _check_one_of(value: str, options, key: str) -> None:
-    """`options`: the algorithm layer's own table of names (defined once, in sealrl.algos)."""
+def _check_one_of(value: str, table: str, key: str) -> None:
+    """`table`: the name of the algorithm layer's own table of options (defined once, in
+    sealrl.algos; imported here, not at the top, so that `import sealrl.config` stays light)."""
+    from sealrl import algos
+    options = getattr(algos, table)
     _check(value in options, key, " | ".join(options), value)
 
 
@@ -151,15 +152,15 @@ class AlgorithmConfig:
     overlong_penalty: float = 1.0          # maximal soft penalty
 
     def __post_init__(self):
-        _check_one_of(self.name, algos.ADVANTAGE_ESTIMATORS, "algorithm.name")
+        _check_one_of(self.name, "ADVANTAGE_ESTIMATORS", "algorithm.name")
         _check(0 <= self.gamma <= 1, "algorithm.gamma", "in [0, 1]", self.gamma)
         _check(0 <= self.lam <= 1, "algorithm.lam", "in [0, 1]", self.lam)
         _check(self.kl_coef >= 0, "algorithm.kl_coef", ">= 0", self.kl_coef)
         _check(self.kl_in in ("loss", "reward"), "algorithm.kl_in", "loss or reward", self.kl_in)
-        _check_one_of(self.kl_estimator, algos.KL_ESTIMATORS, "algorithm.kl_estimator")
+        _check_one_of(self.kl_estimator, "KL_ESTIMATORS", "algorithm.kl_estimator")
         _check(self.old_log_prob in ("recompute", "bypass"), "algorithm.old_log_prob",
                "recompute or bypass", self.old_log_prob)
-        _check_one_of(self.correction, algos.CORRECTIONS, "algorithm.correction")
+        _check_one_of(self.correction, "CORRECTIONS", "algorithm.correction")
         _check(self.reward_error in ("drop_group", "retry", "penalty"), "algorithm.reward_error",
                "drop_group | retry | penalty", self.reward_error)
         _check(self.overlong in ("none", "mask", "soft"), "algorithm.overlong", "none | mask | soft", self.overlong)
@@ -192,8 +193,8 @@ class ActorConfig:
         _check(self.ppo_epochs >= 1, "actor.ppo_epochs", ">= 1", self.ppo_epochs)
         _check(self.micro_batch_size >= 1, "actor.micro_batch_size", ">= 1", self.micro_batch_size)
         _check(self.mini_batch_size >= 0, "actor.mini_batch_size", ">= 0", self.mini_batch_size)
-        _check_one_of(self.loss, algos.POLICY_LOSSES, "actor.loss")
-        _check_one_of(self.loss_agg, algos.AGG_MODES, "actor.loss_agg")
+        _check_one_of(self.loss, "POLICY_LOSSES", "actor.loss")
+        _check_one_of(self.loss_agg, "AGG_MODES", "actor.loss_agg")
         _check(self.dual_clip == 0 or self.dual_clip > 1, "actor.dual_clip", "0 or > 1", self.dual_clip)
         _check(0 <= self.clip_low < 1, "actor.clip_low", "in [0, 1)", self.clip_low)
         _check(self.clip_high >= 0, "actor.clip_high", ">= 0", self.clip_high)
