@@ -160,6 +160,16 @@ class AlgorithmConfig:
         _check(self.old_log_prob in ("recompute", "bypass"), "algorithm.old_log_prob",
                "recompute or bypass", self.old_log_prob)
         _check_one_of(self.correction, algos.CORRECTIONS, "algorithm.correction")
+        _check(self.kl_target >= 0, "algorithm.kl_target", ">= 0 (0 = fixed kl_coef)", self.kl_target)
+        _check(self.kl_horizon >= 1, "algorithm.kl_horizon", ">= 1", self.kl_horizon)
+        if self.kl_target > 0 and self.kl_coef == 0:  # beta 0 stays 0, and no reference is loaded
+            raise ConfigError("algorithm.kl_target > 0 needs algorithm.kl_coef > 0 (the controller's initial beta)")
+        # Refused rather than given a meaning: bypass makes old = rollout, so the weights would
+        # be exactly 1 and nothing rejected. The PPO ratio pi/pi_rollout (clipped) is already
+        # the correction towards the behaviour policy there (docs/metrics.md, correction).
+        if self.old_log_prob == "bypass" and self.correction != "none":
+            raise ConfigError(f"algorithm.correction={self.correction} needs algorithm.old_log_prob=recompute: "
+                              "with bypass the old log-probs are the rollout log-probs, so it would correct nothing")
         _check(self.reward_error in ("drop_group", "retry", "penalty"), "algorithm.reward_error",
                "drop_group | retry | penalty", self.reward_error)
         _check(self.overlong in ("none", "mask", "soft"), "algorithm.overlong", "none | mask | soft", self.overlong)
