@@ -139,10 +139,10 @@ class AlgorithmConfig:
     kl_in: str = "loss"                    # loss | reward (shaped token rewards)
     kl_estimator: str = "k3"               # k1 | abs | k2 | k3 | k1+ | k3+ | abs+ (+: straight-through)
     kl_target: float = 0.0                 # > 0: adaptive KL controller towards this KL (Ziegler et al.)
-    kl_horizon: int = 10000                # adaptive controller horizon
+    kl_horizon: int = 10000                # adaptive controller horizon (samples; each step moves beta by <= 20%)
     whiten_advantages: bool = False        # whiten advantages over the batch (explicit option)
     old_log_prob: str = "recompute"        # recompute (actor forward before any update) | bypass (= rollout)
-    correction: str = "none"               # none | token_is | seq_is | token_reject | seq_reject
+    correction: str = "none"               # none | token_is | seq_is | token_reject | seq_reject (recompute only)
     correction_threshold: float = 2.0      # IS cap, or rejection threshold
     reward_error: str = "drop_group"       # drop_group | retry | penalty
     reward_error_penalty: float = 0.0      # score given to an errored sample when reward_error=penalty
