@@ -140,10 +140,10 @@ class AlgorithmConfig:
     kl_in: str = "loss"                    # loss | reward (shaped token rewards)
     kl_estimator: str = "k3"               # k1 | abs | k2 | k3 | k1+ | k3+ | abs+ (+: straight-through)
     kl_target: float = 0.0                 # > 0: adaptive KL controller towards this KL (Ziegler et al.)
-    kl_horizon: int = 10000                # adaptive controller horizon
+    kl_horizon: int = 10000                # adaptive controller horizon (samples; each step moves beta by <= 20%)
     whiten_advantages: bool = False        # whiten advantages over the batch (explicit option)
     old_log_prob: str = "recompute"        # recompute (actor forward before any update) | bypass (= rollout)
-    correction: str = "none"               # none | token_is | seq_is | token_reject | seq_reject
+    correction: str = "none"               # none | token_is | seq_is | token_reject | seq_reject (recompute only)
     correction_threshold: float = 2.0      # IS cap, or rejection threshold
     reward_error: str = "drop_group"       # drop_group | retry | penalty
     reward_error_penalty: float = 0.0      # score given to an errored sample when reward_error=penalty
@@ -161,6 +161,16 @@ class AlgorithmConfig:
         _check(self.old_log_prob in ("recompute", "bypass"), "algorithm.old_log_prob",
                "recompute or bypass", self.old_log_prob)
         _check_one_of(self.correction, "CORRECTIONS", "algorithm.correction")
+        _check(self.kl_target >= 0, "algorithm.kl_target", ">= 0 (0 = fixed kl_coef)", self.kl_target)
+        _check(self.kl_horizon >= 1, "algorithm.kl_horizon", ">= 1", self.kl_horizon)
+        if self.kl_target > 0 and self.kl_coef == 0:  # beta 0 stays 0, and no reference is loaded
+            raise ConfigError("algorithm.kl_target > 0 needs algorithm.kl_coef > 0 (the controller's initial beta)")
+        # Refused rather than given a meaning: bypass makes old = rollout, so the weights would
+        # be exactly 1 and nothing rejected. The PPO ratio pi/pi_rollout (clipped) is already
+        # the correction towards the behaviour policy there (docs/metrics.md, correction).
+        if self.old_log_prob == "bypass" and self.correction != "none":
+            raise ConfigError(f"algorithm.correction={self.correction} needs algorithm.old_log_prob=recompute: "
+                              "with bypass the old log-probs are the rollout log-probs, so it would correct nothing")
         _check(self.reward_error in ("drop_group", "retry", "penalty"), "algorithm.reward_error",
                "drop_group | retry | penalty", self.reward_error)
         _check(self.overlong in ("none", "mask", "soft"), "algorithm.overlong", "none | mask | soft", self.overlong)

@@ -80,3 +80,18 @@ def test_mismatch_metrics_nothing_valid():
     assert {k: v.item() for k, v in m.items()} == {
         "k1": 0.0, "k3": 0.0, "log_prob_abs_diff_max": 0.0, "prob_abs_diff_mean": 0.0,
         "ppl_train": 1.0, "ppl_rollout": 1.0, "ppl_ratio": 0.0}
+
+
+def test_correction_metrics_golden():
+    from sealrl.algos import correction_metrics
+    # 3 rows: 3 candidates, 2 candidates, none (all masked)
+    candidates = t([[1, 1, 1], [1, 1, 0], [0, 0, 0]]).bool()
+    kept = t([[1, 0, 1], [1, 1, 0], [0, 0, 0]]).bool()     # one token of row 0 rejected
+    weights = t([[0.5, 9.0, 2.0], [1.0, 1.5, 7.0], [3.0, 3.0, 3.0]])
+    m = {k: float(v) for k, v in correction_metrics(candidates, kept, weights).items()}
+    # 1 of 5 candidates rejected; 1 of the 2 rows with candidates lost a token;
+    # weights over the 4 kept tokens 0.5, 2, 1, 1.5: mean 5 / 4, max 2, min 0.5
+    assert m == pytest.approx({"rejected_token_frac": 0.2, "rejected_seq_frac": 0.5,
+                               "is_weight_mean": 1.25, "is_weight_max": 2.0, "is_weight_min": 0.5})
+    assert set(correction_metrics(candidates, None, weights)) == {"is_weight_mean", "is_weight_max", "is_weight_min"}
+    assert set(correction_metrics(candidates, kept, None)) == {"rejected_token_frac", "rejected_seq_frac"}

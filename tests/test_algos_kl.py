@@ -106,3 +106,25 @@ def test_adaptive_controller_golden_and_state():
         d.load_state_dict(FixedKLController(0.1).state_dict())
     with pytest.raises(ValueError, match="target"):
         AdaptiveKLController(0.1, target=0.0, horizon=10)
+
+
+def test_adaptive_controller_never_leaves_zero_to_inf():
+    """kl_coef 0.05, target 1e-4, horizon 2, batches of 256 samples: the paper's factor
+    1 + e * 256 / 2 is 1 - 0.2 * 128 = -24.6 at the first step (KL 0 < target), and beta went
+    0.05, -1.23, -32.7, -870. The step e * n / horizon is clipped to [-0.2, 0.2]."""
+    c = AdaptiveKLController(init_beta=0.05, target=1e-4, horizon=2)
+    betas = [c.beta]
+    for kl in (0.0, 0.5, 0.5, 0.0, 1e-4):
+        c.update(current_kl=kl, n_steps=256)
+        betas.append(c.beta)
+    # KL 0: e = -1 -> -0.2, step -25.6 -> -0.2: 0.05 * 0.8 = 0.04
+    # KL 0.5: e = 4999 -> 0.2, step 25.6 -> 0.2: 0.048, then 0.0576
+    # KL 0: 0.0576 * 0.8 = 0.04608;  KL = target: e = 0, beta unchanged
+    assert betas == pytest.approx([0.05, 0.04, 0.048, 0.0576, 0.04608, 0.04608])
+    assert all(b >= 0 for b in betas)
+
+
+def test_adaptive_step_is_the_papers_while_the_batch_is_within_the_horizon():
+    c = AdaptiveKLController(init_beta=1.0, target=1.0, horizon=100)
+    c.update(current_kl=0.0, n_steps=100)   # e = -0.2, step -0.2 * 100/100 = -0.2 (the clip's edge)
+    assert c.beta == pytest.approx(0.8)

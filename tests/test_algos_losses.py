@@ -261,3 +261,23 @@ def test_entropy_with_filtered_vocab_has_finite_gradient():
     # dH/dz_i = -p_i (log p_i + H): p0 = 1/4 -> -0.25 (ln 0.25 + H); the -inf entry gets 0
     assert_close(logits.grad[0], t(-0.25 * (math.log(0.25) + h.item())))
     assert logits.grad[2].item() == 0.0
+
+
+def test_policy_ratio_and_stats_golden():
+    from sealrl.algos import policy_ratio, ratio_stats
+    # the PPO golden batch: valid log-ratios 0.5, -0.5, 0.1 | 0.5 (padding ignored)
+    log_prob, old, adv, mask = _ppo_batch()
+    r = policy_ratio(log_prob, old, mask)
+    e5, e1, em5 = math.exp(0.5), math.exp(0.1), math.exp(-0.5)
+    assert_close(r, t([e5, em5, e1, e5]))
+    assert not r.requires_grad
+    # sorted: e^-0.5, e^0.1, e^0.5, e^0.5; p50 at position 1.5: (e^0.1 + e^0.5) / 2;
+    # p99 at position 0.99 * 3 = 2.97, between two e^0.5: e^0.5
+    s = ratio_stats(r)
+    assert (float(s["ratio_min"]), float(s["ratio_max"])) == pytest.approx((em5, e5))
+    assert float(s["ratio_p50"]) == pytest.approx((e1 + e5) / 2)
+    assert float(s["ratio_p99"]) == pytest.approx(e5)
+    # sequence level (gspo): row 0 mean log-ratio (0.5 - 0.5 + 0.1) / 3 = 1/30, row 1 0.5
+    assert_close(policy_ratio(log_prob, old, mask, level="sequence"),
+                 t([math.exp(1 / 30)] * 3 + [e5]))
+    assert {k: float(v) for k, v in ratio_stats(torch.zeros(0)).items()} == dict.fromkeys(s, 1.0)

@@ -59,3 +59,25 @@ def test_cli_errors_are_one_line(tmp_path):
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("sealrl: error: "), out.stderr
         assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("correction", ["token_is", "seq_is", "token_reject", "seq_reject"])
+def test_correction_in_bypass_mode_is_refused_naming_both_keys(correction):
+    # bypass: old = rollout, so the weights would be exactly 1 and nothing rejected
+    with pytest.raises(ConfigError) as e:
+        build_config(None, ["algorithm.old_log_prob=bypass", f"algorithm.correction={correction}"])
+    assert "algorithm.correction" in str(e.value) and "algorithm.old_log_prob" in str(e.value)
+    assert "\n" not in str(e.value)
+    build_config(None, ["algorithm.old_log_prob=recompute", f"algorithm.correction={correction}"])
+    build_config(None, ["algorithm.old_log_prob=bypass", "algorithm.correction=none"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algorithm.kl_target=0.01"], "algorithm.kl_target > 0 needs algorithm.kl_coef > 0"),
+    (["algorithm.kl_coef=0.1", "algorithm.kl_target=0.01", "algorithm.kl_horizon=0"],
+     "algorithm.kl_horizon must be >= 1, got 0"),
+    (["algorithm.kl_target=-1"], "algorithm.kl_target must be >= 0"),
+])
+def test_adaptive_kl_settings_are_checked_at_load(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config(None, overrides)

@@ -2,6 +2,8 @@
 fields with the right producers, and produces finite metrics (warm-start model, seconds)."""
 import json
 import math
+import re
+from pathlib import Path
 
 import pytest
 
@@ -25,7 +27,8 @@ CASES = {
             "actor.ppo_epochs=2", "actor.mini_batch_size=8"],
     "grpo_kl_loss": ["algorithm.kl_coef=0.1", "algorithm.kl_in=loss", "algorithm.kl_estimator=k3+",
                      "algorithm.kl_target=0.01"],
-    "bypass_token_is": ["algorithm.old_log_prob=bypass", "algorithm.correction=token_is"],
+    "bypass": ["algorithm.old_log_prob=bypass"],
+    "token_is": ["algorithm.correction=token_is"],
     "seq_reject": ["algorithm.correction=seq_reject", "algorithm.correction_threshold=0.5"],
     "overlong_soft": ["algorithm.overlong=soft", "algorithm.overlong_buffer=2", "rollout.max_new_tokens=4"],
     "overlong_mask": ["algorithm.overlong=mask", "rollout.max_new_tokens=4"],
@@ -34,6 +37,31 @@ CASES = {
     "gspo": ["actor.loss=gspo", "actor.clip_low=3e-4", "actor.clip_high=4e-4", "actor.loss_agg=seq-mean-token-mean"],
     "pg_top_k": ["actor.loss=pg", "rollout.top_k=5", "rollout.top_p=0.9"],
 }
+
+
+def documented(text: str) -> list[re.Pattern]:
+    """The keys docs/metrics.md defines, as patterns: each backticked `section/key`, each `_suffix`
+    after one on its line (`rollout/response_len_mean`, `_p50` -> rollout/response_len_p50),
+    `<name>` a placeholder, `*` any ending."""
+    keys = []
+    for line in text.splitlines():
+        last = None
+        for tok in re.findall(r"`([^`]+)`", line):
+            if re.fullmatch(r"[a-z0-9_]+/\S+", tok):
+                keys.append(last := tok)
+            elif tok.startswith("_") and last is not None:
+                keys += [last[:i] + tok for i, ch in enumerate(last) if ch == "_" and "/" not in last[i:]]
+    return [re.compile(re.sub(r"<[a-z]+>", "[^/]+", re.escape(k).replace(r"\*", ".+").replace(r"\<", "<")
+                              .replace(r"\>", ">"))) for k in keys]
+
+
+DOCUMENTED = documented((Path(__file__).parents[1] / "docs" / "metrics.md").read_text())
+
+
+def test_documented_patterns():
+    ok = lambda key: any(p.fullmatch(key) for p in DOCUMENTED)  # noqa: E731
+    assert ok("rollout/response_len_p90") and ok("prep/reference_queue_s") and ok("logprob/old_vs_rollout_k3")
+    assert ok("actor/ratio_p99") and not ok("actor/ratio_p98") and not ok("actor/made_up")
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -46,6 +74,8 @@ def test_algorithm_runs_and_records_provenance(tmp_path, name):
     for row in rows:
         for key, value in row.items():
             assert isinstance(value, (int, float)) and math.isfinite(value), (key, value)
+        # every key is defined in docs/metrics.md ("iteration" is the row's index)
+        assert not [k for k in row if k != "iteration" and not any(p.fullmatch(k) for p in DOCUMENTED)]
     batch = read_iteration(run / "experience" / "iter_000001.parquet")
     _, meta = read_table(run / "experience" / "iter_000001.parquet")
     fields = meta["fields"]

@@ -2,17 +2,21 @@
 per-sample finish times), per-version sample outcomes and effective group sizes (from the
 ledger), preparation tokens/s and queue times (from the state machine's stage timestamps), and
 the one definition of stage shares. Values are checked against hand-built inputs."""
+import math
 import time
 
 import pytest
+import torch
 
-from sealrl.experience import PolicyVersion, RewardRecord, StopReason, sample_id
+from sealrl.config import build_config
+from sealrl.experience import PolicyVersion, RewardRecord, Role, StopReason, sample_id
 from sealrl.experience.records import SamplingContract
 from sealrl.obs.timeline import stage_shares
 from sealrl.rollout.engine import RolloutSample
 from sealrl.obs.timeline import StageTimer
 from sealrl.trainer.collect import generate
-from sealrl.trainer.iteration_metrics import preparation_metrics, rollout_metrics, share_metrics, version_metrics
+from sealrl.trainer.iteration_metrics import (batch_metrics, preparation_metrics, rollout_metrics, share_metrics,
+                                              version_metrics)
 from sealrl.trainer.ledger import new_iteration
 from tests.helpers_experience import ScriptedRole, make_batch, stage_run
 from tests.test_rollout_engine import make_engine, mixed_requests
@@ -154,3 +158,79 @@ def test_share_metrics_is_the_timeline_definition():
     assert share_metrics(row) == {"time/share_generate": 0.25, "time/share_update": 0.5,
                                   "time/share_other": 0.25}
     assert share_metrics(row) == {f"time/share_{k}": v for k, v in stage_shares(row).items()}
+
+
+def test_response_length_and_stop_shares_golden():
+    # lengths 1, 2, 3, 4; stop reasons eos, eos, length, stop; two groups of two
+    groups = {"a": [_sample("a", 0, response=(2,)), _sample("a", 1, response=(5, 2))],
+              "b": [_sample("b", 0, stop=StopReason.LENGTH, response=(5, 6, 7)),
+                    _sample("b", 1, stop=StopReason.STOP, response=(5, 6, 7, 9))]}
+    records = {s.sample_id: RewardRecord.success(1.0, "t") for ss in groups.values() for s in ss}
+    m = rollout_metrics(groups, records, generate_s=2.5)
+    assert m["rollout/num_samples"] == 4 and m["rollout/response_tokens"] == 10
+    assert m["rollout/prompt_tokens"] == 4                   # one 2-token prompt per group
+    assert m["rollout/tokens_per_s"] == 10 / 2.5
+    assert m["rollout/response_len_mean"] == 2.5
+    assert m["rollout/response_len_p50"] == 2.5              # between 2 and 3
+    assert m["rollout/response_len_p90"] == pytest.approx(3.7)  # position 0.9 * 3 = 2.7: 3 + 0.7 * (4 - 3)
+    assert m["rollout/response_len_max"] == 4
+    assert (m["rollout/stop_eos_frac"], m["rollout/stop_stop_frac"], m["rollout/stop_length_frac"],
+            m["rollout/stop_error_frac"]) == (0.5, 0.25, 0.25, 0.0)
+
+
+def _consumed_batch(old_producer: Role):
+    """helpers' batch (responses 3 eos, 1 length, 0 length, 4 eos tokens; 2 groups) with
+    old = rollout + 0.1 and reference = old - 0.2 on the valid tokens."""
+    batch = make_batch()
+    mask = batch.get("response_mask")
+    old = (batch.get("rollout_log_probs") + 0.1).masked_fill(~mask, 0.0)
+    batch.put("old_log_probs", old, old_producer, V.id)
+    batch.put("ref_log_probs", (old - 0.2).masked_fill(~mask, 0.0), Role.REFERENCE, "ref")
+    return batch
+
+
+def test_batch_metrics_golden():
+    from sealrl.roles.actor import loss_mask
+    batch = _consumed_batch(Role.ACTOR)
+    algo = build_config(None, ["algorithm.overlong=mask"]).algorithm
+    m = batch_metrics(batch, loss_mask(batch, algo)[1], consumed_step=5, sampled_version_step=3)
+    assert m["e2e/trained_tokens"] == 7.0                    # 3 + 4: the truncated response gets no loss
+    assert m["e2e/accepted_groups"] == 2.0
+    assert m["update/experience_age_steps"] == 2.0           # steps 4 and 5 used version 3's samples
+    assert m["logprob/old_vs_rollout_k1"] == pytest.approx(-0.1, rel=1e-5)   # mean(rollout - old)
+    # k3 of old vs reference: log r = ref - old = -0.2: e^-0.2 + 0.2 - 1
+    assert m["kl/ref_kl"] == pytest.approx(math.exp(-0.2) + 0.2 - 1, rel=1e-4)
+    assert m["logprob/old_vs_ref_k1"] == pytest.approx(0.2, rel=1e-5)     # mean(old - ref)
+
+
+def test_bypass_reports_no_old_vs_rollout_mismatch():
+    batch = _consumed_batch(Role.ROLLOUT)   # bypass: old is the rollout's own
+    m = batch_metrics(batch, batch.get("response_mask"), consumed_step=1, sampled_version_step=0)
+    assert not [k for k in m if k.startswith("logprob/old_vs_rollout")]
+    assert m["e2e/trained_tokens"] == 8.0 and "kl/ref_kl" in m
+
+
+def test_advantage_and_kl_metrics_of_derive_golden():
+    """dr_grpo, KL in the reward (k1, beta 0.1), old - ref = 0.2 per token. Lengths 3, 2 | 2, 2,
+    scores 1, 0 | 1, 1: sequence scores 1 - 0.06, 0 - 0.04 | 0.96, 0.96; group b has zero
+    variance; group a's mean 0.45: advantages 0.49 (3 tokens), -0.49 (2 tokens), 0 (4 tokens)."""
+    from sealrl.experience.records import RewardRecord as Record
+    from sealrl.trainer.derive import derive
+    batch = make_batch(responses=((5, 6, 2), (7, 2), (8, 2), (9, 2)))
+    mask = batch.get("response_mask")
+    batch.put("reward_records", [Record.success(x, "arith") for x in (1.0, 0.0, 1.0, 1.0)], Role.REWARD, "arith@1")
+    old = batch.get("rollout_log_probs")
+    batch.put("old_log_probs", old, Role.ROLLOUT, V.id)
+    batch.put("ref_log_probs", (old - 0.2).masked_fill(~mask, 0.0), Role.REFERENCE, "ref")
+    algo = build_config(None, ["algorithm.name=dr_grpo", "algorithm.kl_coef=0.1", "algorithm.kl_in=reward",
+                               "algorithm.kl_estimator=k1"]).algorithm
+    m = derive(batch, algo, 0.1, 4, "dr_grpo@0")
+    adv = [0.49] * 3 + [-0.49] * 2 + [0.0] * 4
+    mean = sum(adv) / 9
+    assert m["adv/mean"] == pytest.approx(mean, rel=1e-5)
+    assert m["adv/std"] == pytest.approx(math.sqrt(sum((a - mean) ** 2 for a in adv) / 9), rel=1e-5)
+    assert m["adv/zero_variance_frac"] == 0.5
+    assert m["kl/reward_kl"] == pytest.approx(0.2, rel=1e-5)
+    assert m["reward/score_mean"] == 0.75
+    assert m["reward/score_std"] == pytest.approx(0.5)       # unbiased: sqrt((3 * 0.25^2 + 0.75^2) / 3)
+    assert torch.allclose(batch.get("advantages")[0, :3], torch.tensor(0.49), rtol=1e-5)

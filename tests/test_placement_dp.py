@@ -141,14 +141,14 @@ def role_sequence(strategy: str, distributed: bool) -> dict:
     out["sharded"] = actor.sharded()
     out["old"] = actor.old_log_probs(seven)
     actor.keep_snapshot()
-    actor.update(batch, V0, 0, seed=1)
+    actor.update(batch, V0, 0, seed=1, kl_coef=0.0)
     actor.restore_snapshot()
-    out["m1"] = actor.update(batch, V0, 0, seed=1)
+    out["m1"] = actor.update(batch, V0, 0, seed=1, kl_coef=0.0)
     out["w1"] = actor.weights()
     model_state, optim_state = full_state(actor.worker.model.state_dict()), full_optimizer_state(actor.worker.optimizer)
     resumed = ready(ActorRank(make_actor, 0, strategy))
     resumed.load_state(model_state, optim_state, {"step": actor.worker.step})
-    out["m2"] = resumed.update(batch, V0, 1, seed=2)
+    out["m2"] = resumed.update(batch, V0, 1, seed=2, kl_coef=0.0)
     out["w2"], out["state"] = resumed.weights(), resumed.state()
     critic = ready(CriticRank(make_critic, 0, strategy))
     out["values"] = critic.values(seven)
@@ -182,6 +182,9 @@ def test_role_ranks_on_two_processes_give_the_one_process_results(strategy):
         assert r0[f"m{k}"][1] == one[f"m{k}"][1]                        # step counters
         assert r0[f"m{k}"][0]["actor/pg_loss"] == pytest.approx(one[f"m{k}"][0]["actor/pg_loss"], abs=1e-6)
         assert r0[f"m{k}"][0]["actor/grad_norm"] == pytest.approx(one[f"m{k}"][0]["actor/grad_norm"], rel=1e-5)
+        for stat in ("min", "p50", "p99", "max"):   # gathered over the ranks, not summed: exact
+            key = f"actor/ratio_{stat}"
+            assert r0[f"m{k}"][0][key] == r1[f"m{k}"][0][key] == pytest.approx(one[f"m{k}"][0][key], rel=1e-5)
     assert max_diff(r0["w1"], one["w1"]) + max_diff(r0["w2"], r0["w1"]) > 0   # the updates move the weights
     model_state, optim_state = r0["state"]
     assert max_diff(model_state, one["state"][0]) <= 1e-6

@@ -96,15 +96,15 @@ def test_actor_group_of_one_in_process_rank_is_the_plain_actor():
 
     plain = make()
     group = ActorGroup(LocalWorkerGroup("actor", [ActorRank(make, 0)]), make())
-    want = plain.update(make_batch(), V0, 0, seed=1)
-    assert group.update(make_batch(), V0, 0, seed=1) == want and group.step == plain.step == 1
+    want = plain.update(make_batch(), V0, 0, seed=1, kl_coef=0.0)
+    assert group.update(make_batch(), V0, 0, seed=1, kl_coef=0.0) == want and group.step == plain.step == 1
     weights = lambda m: {k: v.clone() for k, v in m.state_dict().items()}  # noqa: E731
     assert max_diff(weights(group.model), weights(plain.model)) == 0.0            # pulled from rank 0
     assert group.optimizer.state_dict()["state"].keys() == plain.optimizer.state_dict()["state"].keys()
     state, manifest = group.export()
     assert manifest.version == plain.export()[1].version
     snap, before = group.snapshot(), weights(group.model)
-    group.update(make_batch(), V0, 1, seed=2)
+    group.update(make_batch(), V0, 1, seed=2, kl_coef=0.0)
     assert group.step == 2 and max_diff(weights(group.model), before) > 0
     group.restore(snap)
     assert group.step == 1 and max_diff(weights(group.model), before) == 0.0        # every rank rolled back

@@ -15,7 +15,13 @@ from sealrl.algos.advantages import (
     rloo_advantages,
     whiten,
 )
-from sealrl.algos.correction import CORRECTIONS, importance_weights, mismatch_metrics, rejection_mask
+from sealrl.algos.correction import (
+    CORRECTIONS,
+    correction_metrics,
+    importance_weights,
+    mismatch_metrics,
+    rejection_mask,
+)
 from sealrl.algos.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -32,16 +38,19 @@ from sealrl.algos.losses import (
     gspo_loss,
     make_normaliser,
     policy_gradient_loss,
+    policy_ratio,
     ppo_clip_loss,
+    ratio_stats,
     value_loss,
 )
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "CORRECTIONS", "broadcast_to_tokens", "gae", "grpo_advantages", "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages", "rloo_advantages", "whiten",
-    "importance_weights", "mismatch_metrics", "rejection_mask",
+    "correction_metrics", "importance_weights", "mismatch_metrics", "rejection_mask",
     "KL_ESTIMATORS", "AdaptiveKLController", "FixedKLController", "kl_penalty",
     "shaped_token_rewards",
     "AGG_MODES", "POLICY_LOSSES", "LossNormaliser", "aggregate", "entropy_from_logits",
-    "gspo_loss", "make_normaliser", "policy_gradient_loss", "ppo_clip_loss", "value_loss",
+    "gspo_loss", "make_normaliser", "policy_gradient_loss", "policy_ratio", "ppo_clip_loss", "ratio_stats",
+    "value_loss",
 ]

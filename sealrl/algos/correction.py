@@ -81,6 +81,31 @@ def rejection_mask(old_log_prob: Tensor, rollout_log_prob: Tensor, response_mask
     return m & (div <= threshold)
 
 
+def correction_metrics(candidates: Tensor, kept: Tensor | None, weights: Tensor | None) -> dict[str, Tensor]:
+    """What the correction did to the loss. candidates: the tokens that may take part in the
+    loss before rejection, (B, T) bool; kept: those left after rejection (B, T) bool, or None
+    (no rejection: all kept); weights: the IS weights (B, T), or None. Detached float64 0-dim:
+      rejected_token_frac   1 - |kept| / |candidates|
+      rejected_seq_frac     rows with a candidate rejected / rows with a candidate
+      is_weight_mean, _max, _min   of the weights over kept tokens (only when weights are given;
+                            1 when nothing is kept)
+    The rejection keys only when kept is given."""
+    c = candidates.bool()
+    k = c if kept is None else kept.bool()
+    out: dict[str, Tensor] = {}
+    if kept is not None:
+        rows = c.any(-1)
+        lost = (c & ~k).any(-1)
+        out["rejected_token_frac"] = 1.0 - k.sum().double() / c.sum().clamp(min=1)
+        out["rejected_seq_frac"] = lost.sum().double() / rows.sum().clamp(min=1)
+    if weights is not None:
+        w = weights.detach().double()[k]
+        if w.numel() == 0:
+            w = torch.ones(1, dtype=torch.float64)
+        out.update(is_weight_mean=w.mean(), is_weight_max=w.max(), is_weight_min=w.min())
+    return out
+
+
 def mismatch_metrics(log_prob: Tensor, rollout_log_prob: Tensor,
                      response_mask: Tensor) -> dict[str, Tensor]:
     """How far the trainer's log-probs are from the sampler's, on the sampled tokens.

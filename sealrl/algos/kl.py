@@ -125,7 +125,12 @@ class AdaptiveKLController:
     """Proportional KL controller (Ziegler et al. 2019, arXiv:1909.08593, sec. 2.2).
 
         e_t    = clip(KL_t / target - 1, -0.2, 0.2)
-        beta  <- beta * (1 + e_t * n_steps / horizon)
+        beta  <- beta * (1 + clip(e_t * n_steps / horizon, -0.2, 0.2))
+
+The outer clip is ours: the paper's factor 1 + e_t n / horizon assumes horizon >> n (10000 vs
+512); with n > 5 horizon it goes negative and beta flips sign. Clipping the step keeps beta in
+[0, inf) (each update scales it by 0.8 .. 1.2) and equals the paper's rule whenever
+n_steps <= horizon, where |e_t n / horizon| <= 0.2 already.
 
     `current_kl` is the measured KL of the batch (a float; a 0-dim tensor is accepted),
     `n_steps` the number of samples (or steps, as the caller's horizon is counted) it covers.
@@ -146,7 +151,7 @@ class AdaptiveKLController:
 
     def update(self, current_kl: float, n_steps: int) -> None:
         error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
-        self.beta *= 1.0 + error * n_steps / self.horizon
+        self.beta *= 1.0 + min(max(error * n_steps / self.horizon, -0.2), 0.2)
 
     def state_dict(self) -> dict:
         return {"kind": "adaptive", "beta": self.beta, "target": self.target,

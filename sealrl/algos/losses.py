@@ -122,6 +122,33 @@ def _ratio_metrics(ratio: Tensor, token_log_ratio: Tensor, m: Tensor) -> dict[st
             "ratio_max": torch.where(m, r, torch.zeros_like(r)).max().float()}
 
 
+def policy_ratio(log_prob: Tensor, old_log_prob: Tensor, response_mask: Tensor,
+                 level: str = "token") -> Tensor:
+    """Detached importance ratios pi/pi_old at the valid tokens, 1-D (row-major), as the losses
+    see them:
+        token     r_t = exp(clamp(log_prob_t - old_t, -20, 20))                  (ppo_clip_loss)
+        sequence  s_i = exp(clamp(mean_{t valid} (log_prob_t - old_t), -20, 20)), one per token
+                  of row i                                                      (gspo_loss)
+    (b, T) inputs -> (number of valid tokens,)."""
+    m = response_mask.bool()
+    log_ratio = torch.where(m, log_prob.detach() - old_log_prob.detach(), torch.zeros_like(log_prob)).float()
+    if level == "sequence":
+        log_ratio = (log_ratio.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)).expand_as(log_ratio)
+    elif level != "token":
+        raise ValueError(f"policy_ratio: level must be 'token' or 'sequence', got {level!r}")
+    return log_ratio.clamp(-20.0, 20.0).exp()[m]
+
+
+def ratio_stats(ratios: Tensor) -> dict[str, Tensor]:
+    """ratio_min, ratio_p50, ratio_p99, ratio_max of a 1-D tensor of ratios (quantiles by linear
+    interpolation between order statistics, torch.quantile). Empty: all 1 (nothing moved)."""
+    if ratios.numel() == 0:
+        return {k: torch.tensor(1.0) for k in ("ratio_min", "ratio_p50", "ratio_p99", "ratio_max")}
+    r = ratios.detach().double()
+    q = torch.quantile(r, torch.tensor([0.5, 0.99], dtype=torch.float64))
+    return {"ratio_min": r.min(), "ratio_p50": q[0], "ratio_p99": q[1], "ratio_max": r.max()}
+
+
 def ppo_clip_loss(log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
                   normaliser: LossNormaliser, clip_low: float = 0.2, clip_high: float = 0.2,
                   dual_clip: float | None = None,

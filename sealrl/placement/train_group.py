@@ -146,8 +146,8 @@ class ActorRank(TrainRank):
                                    temperature=w.temperature, pad_id=w.pad_id)
         return shard.sample_ids, lp
 
-    def update(self, batch: ExperienceBatch, version: PolicyVersion, iteration: int, seed: int):
-        metrics = self.worker.update(batch, version, iteration, seed)
+    def update(self, batch: ExperienceBatch, version: PolicyVersion, iteration: int, seed: int, kl_coef: float):
+        metrics = self.worker.update(batch, version, iteration, seed, kl_coef)
         return metrics, {"step": self.worker.step, "skipped_steps": self.worker.skipped_steps}
 
 
@@ -325,9 +325,10 @@ class ActorGroup(_RoleGroup):
         parts = self.replicas.call("old_log_probs", self.replicas.share(batch))
         batch.put("old_log_probs", join_rows(batch, parts), Role.ACTOR, version.id)
 
-    def update(self, batch: ExperienceBatch, version: PolicyVersion, iteration: int, seed: int) -> dict:
+    def update(self, batch: ExperienceBatch, version: PolicyVersion, iteration: int, seed: int,
+               kl_coef: float) -> dict:
         """Every rank runs Actor.update on the whole batch, keeping its rows per step."""
-        return self._update("actor", self.replicas.share(batch), version, iteration, seed)
+        return self._update("actor", self.replicas.share(batch), version, iteration, seed, kl_coef)
 
 
 class CriticGroup(_RoleGroup):

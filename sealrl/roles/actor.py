@@ -13,7 +13,7 @@ from sealrl.models.hf import model_config_hash
 from sealrl.models.logprobs import response_log_probs
 from sealrl.roles import common
 from sealrl.roles.common import batch_log_probs, lr_at, optimizer_step, pad_width
-from sealrl.roles.distributed import all_reduce_sums, idle_passes, own_rows, world
+from sealrl.roles.distributed import all_gather_cat, all_reduce_sums, idle_passes, own_rows, world
 from sealrl.sync.manifest import WeightManifest, build_manifest
 
 if TYPE_CHECKING:
@@ -98,19 +98,22 @@ class Actor:
         vars(self).update(counters)
 
     # ---- update -------------------------------------------------------------------------
-    def update(self, batch: ExperienceBatch, version: PolicyVersion, iteration: int, seed: int) -> dict:
-        """UPDATING_FROM(v): minibatch optimizer steps over `ppo_epochs` passes."""
+    def update(self, batch: ExperienceBatch, version: PolicyVersion, iteration: int, seed: int,
+               kl_coef: float) -> dict:
+        """UPDATING_FROM(v): minibatch optimizer steps over `ppo_epochs` passes. `kl_coef` is the
+        KL-in-loss coefficient in force: the driver's KL controller's beta (the one `kl/beta` logs)."""
         cfg, algo = self.cfg, self.algo
         self.iteration = iteration
         old = batch.get("old_log_probs", version=version.id)
         adv = batch.get("advantages")
-        mask = self._loss_mask(batch, old)
+        candidates, mask = loss_mask(batch, algo)
         weights = self._is_weights(batch, old)
-        ref = batch.get("ref_log_probs") if algo.kl_coef > 0 and algo.kl_in == "loss" else None
+        kl = (batch.get("ref_log_probs"), kl_coef) if kl_coef > 0 and algo.kl_in == "loss" else None
         b = len(batch)
         mini = cfg.mini_batch_size or b
         gen = torch.Generator().manual_seed(seed)
         sums: dict[str, list[float]] = {}
+        ratios = [torch.zeros(0)]  # this rank's ratios at its loss-mask tokens, every step
         kept, self._kept = self._kept, None  # used by this update's first try only
         if kept is not None and (kept[0] is not batch or kept[1] != version.id):
             kept = None
@@ -120,7 +123,7 @@ class Actor:
                 order = torch.randperm(b, generator=gen) if (cfg.ppo_epochs > 1 or mini < b) else torch.arange(b)
                 for start in range(0, b, mini):
                     idx = order[start:start + mini]
-                    stats = self._optimizer_step(batch, idx, old, adv, mask, ref, weights,
+                    stats = self._optimizer_step(batch, idx, old, adv, mask, kl, weights, ratios,
                                                  kept=None if kept is None else kept[2:])
                     for k, v in stats.items():
                         sums.setdefault(k, []).append(v)
@@ -128,9 +131,19 @@ class Actor:
             self.model.eval()
         out = {f"actor/{k}": sum(v) / len(v) for k, v in sums.items()}
         out["actor/skipped_steps"] = float(self.skipped_steps)
+        if cfg.loss != "pg":
+            # Quantiles and extremes do not add up over ranks: gather the values (exact).
+            out.update({f"actor/{k}": float(v) for k, v in
+                        algos.ratio_stats(all_gather_cat(torch.cat(ratios))).items()})
+        if algo.correction != "none":
+            after_rejection = mask if algo.correction.endswith("_reject") else None
+            out.update({f"correction/{k}": float(v) for k, v in
+                        algos.correction_metrics(candidates, after_rejection, weights).items()})
         return out
 
-    def _optimizer_step(self, batch, idx, old, adv, mask, ref, weights, kept=None) -> dict[str, float]:
+    def _optimizer_step(self, batch, idx, old, adv, mask, kl, weights, ratios, kept=None) -> dict[str, float]:
+        """One optimizer step over minibatch `idx`. kl: (reference log-probs, coefficient) of
+        the KL-in-loss term, or None; the ratios at this rank's loss-mask tokens go to `ratios`."""
         cfg, algo = self.cfg, self.algo
         # Every data-parallel rank holds the whole batch: this normaliser is the global one.
         norm = algos.make_normaliser(mask[idx], cfg.loss_agg, horizon=self.horizon)
@@ -144,10 +157,12 @@ class Actor:
             m = mask[mi]
             loss, metrics = self._policy_loss(lp, old[mi], adv[mi], m, norm,
                                               None if weights is None else weights[mi])
-            if ref is not None:
-                kl = algos.kl_penalty(lp, ref[mi], algo.kl_estimator)
-                kl_loss = algos.aggregate(kl, m, norm)
-                loss = loss + algo.kl_coef * kl_loss
+            metrics.pop("ratio_max", None)  # a max is no share of a sum: exact, over every step, in update
+            if cfg.loss != "pg":
+                ratios.append(algos.policy_ratio(lp, old[mi], m, level="sequence" if cfg.loss == "gspo" else "token"))
+            if kl is not None:
+                kl_loss = algos.aggregate(algos.kl_penalty(lp, kl[0][mi], algo.kl_estimator), m, norm)
+                loss = loss + kl[1] * kl_loss
                 metrics["kl_loss"] = kl_loss.detach()
             ent_term = algos.aggregate(ent, m, norm)
             if cfg.entropy_coef:
@@ -186,19 +201,6 @@ class Actor:
                                    is_weights=weights)
         return algos.policy_gradient_loss(lp, adv, mask, norm, is_weights=weights)
 
-    def _loss_mask(self, batch: ExperienceBatch, old: torch.Tensor) -> torch.Tensor:
-        """Action tokens that take part in the loss: the response mask, minus truncated
-        responses (overlong=mask) and rejected tokens/sequences (rollout correction)."""
-        mask = batch.get("response_mask").clone()
-        if self.algo.overlong == "mask":
-            truncated = torch.tensor([s.stop_reason.truncated for s in batch.samples])
-            mask &= ~truncated[:, None]
-        if self.algo.correction.endswith("_reject"):
-            level = self.algo.correction.split("_")[0].replace("seq", "sequence")
-            mask &= algos.rejection_mask(old, batch.get("rollout_log_probs"), mask, level=level,
-                                         kind="k3", threshold=self.algo.correction_threshold)
-        return mask
-
     def _is_weights(self, batch: ExperienceBatch, old: torch.Tensor) -> torch.Tensor | None:
         """Truncated importance weights old/rollout (train/inference mismatch correction)."""
         if not self.algo.correction.endswith("_is"):
@@ -206,3 +208,19 @@ class Actor:
         level = self.algo.correction.split("_")[0].replace("seq", "sequence")
         return algos.importance_weights(old, batch.get("rollout_log_probs"), batch.get("response_mask"),
                                         level=level, cap=self.algo.correction_threshold)
+
+
+def loss_mask(batch: ExperienceBatch, algo: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(candidates, mask), (B, T) bool. candidates: the action tokens that may take part in the
+    loss, the response mask minus truncated responses (overlong=mask); mask: those that do,
+    the candidates minus tokens / sequences rejected by rollout correction (*_reject)."""
+    candidates = batch.get("response_mask").clone()
+    if algo.overlong == "mask":
+        truncated = torch.tensor([s.stop_reason.truncated for s in batch.samples])
+        candidates &= ~truncated[:, None]
+    if not algo.correction.endswith("_reject"):
+        return candidates, candidates
+    level = algo.correction.split("_")[0].replace("seq", "sequence")
+    keep = algos.rejection_mask(batch.get("old_log_probs"), batch.get("rollout_log_probs"), candidates,
+                                level=level, kind="k3", threshold=algo.correction_threshold)
+    return candidates, candidates & keep

@@ -89,6 +89,17 @@ def all_reduce_sums(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, t.tolist()))
 
 
+def all_gather_cat(values: torch.Tensor) -> torch.Tensor:
+    """Every rank's 1-D tensor, concatenated in rank order (CPU). For statistics that do not add
+    up over ranks (min, max, quantiles of per-token values): over the gathered values they are
+    those of one process. Every rank must call it (it waits for all of them)."""
+    if world()[1] == 1:
+        return values
+    gathered: list[torch.Tensor | None] = [None] * world()[1]
+    dist.all_gather_object(gathered, values.detach().cpu())
+    return torch.cat(gathered)
+
+
 def all_reduce_grads(params: list[torch.nn.Parameter]) -> None:
     """SUM every trainable parameter's gradient over ranks, in one flat buffer.
     A parameter without a gradient on this rank (empty shard) takes part as zeros; one that

@@ -106,8 +106,8 @@ class _Actor(_Wrapper):
         faults.point("old_log_prob", batch.iteration)
         self.inner.compute_old_log_probs(batch, version)
 
-    def update(self, batch, version, iteration: int, seed: int) -> dict:
+    def update(self, batch, version, iteration: int, seed: int, kl_coef: float) -> dict:
         faults.point("update", iteration)
-        metrics = self.inner.update(batch, version, iteration, seed)
+        metrics = self.inner.update(batch, version, iteration, seed, kl_coef)
         self.clock.publishing = iteration + 1
         return metrics

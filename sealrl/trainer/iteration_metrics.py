@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from sealrl import algos
-from sealrl.experience import ExperienceBatch, RewardStatus
+from sealrl.experience import ExperienceBatch, RewardStatus, Role
 from sealrl.obs.timeline import stage_shares
 
 
@@ -73,18 +73,23 @@ def ref_kl(batch: ExperienceBatch) -> float:
     return float((k3 * mask).sum() / mask.sum().clamp(min=1))
 
 
-def batch_metrics(batch: ExperienceBatch, consumed_step: int, sampled_version_step: int) -> dict[str, float]:
-    """Log-prob consistency, trained tokens and experience age of the consumed batch."""
+def batch_metrics(batch: ExperienceBatch, loss_mask: torch.Tensor, consumed_step: int,
+                  sampled_version_step: int) -> dict[str, float]:
+    """Log-prob consistency, trained tokens and experience age of the consumed batch.
+    loss_mask: the actor's (roles.actor.loss_mask), the tokens that took part in the loss."""
     mask = batch.get("response_mask")
     old = batch.get("old_log_probs")
-    out = {f"logprob/old_vs_rollout_{k}": float(v)
-           for k, v in algos.mismatch_metrics(old, batch.get("rollout_log_probs"), mask).items()}
+    out = {}
+    if batch.provenance("old_log_probs")[0] is not Role.ROLLOUT:
+        # bypass (old = the rollout's own log-probs): nothing measured, so nothing reported
+        out.update({f"logprob/old_vs_rollout_{k}": float(v)
+                    for k, v in algos.mismatch_metrics(old, batch.get("rollout_log_probs"), mask).items()})
     if batch.has("ref_log_probs"):
         ref = batch.get("ref_log_probs")
         out.update({f"logprob/old_vs_ref_{k}": float(v) for k, v in algos.mismatch_metrics(ref, old, mask).items()
                     if k in ("k1", "k3", "log_prob_abs_diff_max")})
         out["kl/ref_kl"] = ref_kl(batch)
-    out["e2e/trained_tokens"] = float(mask.sum())
+    out["e2e/trained_tokens"] = float(loss_mask.sum())
     out["e2e/accepted_groups"] = float(len(set(batch.group_ids)))
     # Synchronous training: experience sampled by version step s is consumed by the optimizer
     # steps s+1 .. consumed_step; the age is how many steps used it (0 lag at the first).

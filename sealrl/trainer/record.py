@@ -7,6 +7,7 @@ import json
 
 from sealrl.experience import ExperienceBatch
 from sealrl.experience.store import write_iteration
+from sealrl.roles.actor import loss_mask
 from sealrl.trainer.iteration_metrics import batch_metrics, preparation_metrics, version_metrics
 from sealrl.trainer.ledger import IterationLedger
 
@@ -19,7 +20,7 @@ def record(run, it: int, batch: ExperienceBatch, ledger: IterationLedger, versio
                            "reference_version": [roles.reference.version.id if roles.reference else ""] * len(batch)})
     _append(run.dir / "ledger.jsonl", ledger.rows())
     _append(run.dir / "served.jsonl", [{"iteration": it, **call} for call in served])
-    metrics = batch_metrics(batch, roles.actor.step, version.step)
+    metrics = batch_metrics(batch, loss_mask(batch, cfg.algorithm)[1], roles.actor.step, version.step)
     metrics.update(version_metrics(ledger.rows(), cfg.rollout.n, batch.group_ids, version.step))
     recomputed = ("old_log_prob",) if cfg.algorithm.old_log_prob == "recompute" else ()
     metrics.update(preparation_metrics(run.timer.stage_spans, batch, ("reference", "critic_values") + recomputed))

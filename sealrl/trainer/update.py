@@ -15,7 +15,7 @@ def update(run, batch: ExperienceBatch, version, it: int) -> dict:
                          f"{cfg.algorithm.name}@{it}")
     with run.stage("update", "actor"):
         metrics.update(update_with_rollback(run, batch, version, it))
-    metrics["kl/beta"] = run.kl_ctl.beta          # the beta this iteration used
+    metrics["kl/beta"] = run.kl_ctl.beta          # the beta this iteration used (reward or loss)
     if cfg.algorithm.kl_target > 0:
         run.kl_ctl.update(ref_kl(batch), len(batch))
     return metrics
@@ -31,7 +31,8 @@ def update_with_rollback(run, batch: ExperienceBatch, version, it: int) -> dict:
         roles.actor.attempt = attempt
         try:
             metrics = roles.critic.update(batch) if roles.critic is not None else {}
-            metrics.update(roles.actor.update(batch, version, it, seed=run.cfg.run.seed * 100003 + it))
+            metrics.update(roles.actor.update(batch, version, it, run.cfg.run.seed * 100003 + it,
+                                              kl_coef=run.kl_ctl.beta))
             metrics["update/attempts"] = attempt + 1
             return metrics
         except Exception as e:  # noqa: BLE001 - rolled back, retried, then re-raised
