@@ -2,7 +2,8 @@
 
 Two levels only (`section.field`). Every field has a one-line doc; unknown keys are errors that
 suggest the closest valid key; values are checked at construction and errors name the field,
-the rule and the bad value.
+the rule and the bad value. Fields declared with `resumable(default)` do not change the numbers
+and may differ when a run is resumed; a change to any other field refuses the resume.
 """
 from __future__ import annotations
 
@@ -61,21 +62,27 @@ def _check_one_of(value: str, table: str, key: str) -> None:
 LOGGERS = ("tensorboard", "wandb", "mlflow")
 
 
+def resumable(default: Any) -> Any:
+    """A field that may change between a run and its resumption: it does not change the
+    numbers (a cadence, a deadline, a worker count). Every other field is checked on resume."""
+    return field(default=default, metadata={"resumable": True})
+
+
 @dataclass(kw_only=True, slots=True)
 class RunConfig:
     name: str = "arith_grpo"               # run folder name under output_dir
-    output_dir: str = "runs"               # parent of run folders
+    output_dir: str = resumable("runs")    # parent of run folders
     seed: int = 0                          # root of every derived seed
-    iterations: int = 60                   # RL iterations (one optimizer phase each)
-    resume: str = "never"                  # never | auto (continue from the latest committed checkpoint)
-    checkpoint_every: int = 0              # iterations between checkpoints; 0 = only at the end
-    eval_every: int = 0                    # iterations between held-out evaluations; 0 = before/after only
-    max_wall_s: float = 0.0                # training seconds, then a clean stop: checkpoint, exit 0 (0 = none)
+    iterations: int = resumable(60)        # RL iterations (one optimizer phase each)
+    resume: str = resumable("never")       # never | auto (continue from the latest committed checkpoint)
+    checkpoint_every: int = resumable(50)  # iterations between checkpoints (and one at the end); 0 = only at the end
+    eval_every: int = resumable(0)         # iterations between held-out evaluations; 0 = before/after only
+    max_wall_s: float = resumable(0.0)     # training seconds, then a clean stop: checkpoint, exit 0 (0 = none)
     threads: int = 0                       # torch threads (0 = leave torch's default)
     update_retries: int = 1                # a failed update is rolled back and tried again this often
-    stage_timeout_s: float = 3600.0        # deadline of each driver stage; expiry exits 4 naming it (0 = none)
-    progress: bool = True                  # live progress bar on stderr
-    loggers: str = "tensorboard"           # comma list beyond metrics.jsonl: tensorboard, wandb, mlflow ("" = none)
+    stage_timeout_s: float = resumable(3600.0)  # deadline of each driver stage; expiry exits 4 naming it (0 = none)
+    progress: bool = resumable(True)       # live progress bar on stderr
+    loggers: str = resumable("tensorboard")  # comma list beyond metrics.jsonl: tensorboard, wandb, mlflow ("" = none)
 
     def __post_init__(self):
         _check(self.resume in ("never", "auto"), "run.resume", "never or auto", self.resume)
@@ -231,8 +238,8 @@ class CriticConfig:
 @dataclass(kw_only=True, slots=True)
 class RewardConfig:
     fn: str = "auto"                       # auto (by data source) | arith | countdown | math
-    num_scorers: int = 0                   # scorer processes (0 = in-process, no deadline)
-    timeout_s: float = 10.0                # per-call deadline in worker processes
+    num_scorers: int = resumable(0)        # scorer processes (0 = in-process, no deadline)
+    timeout_s: float = resumable(10.0)     # per-call deadline in worker processes
 
     def __post_init__(self):
         _check(self.fn in ("auto", "arith", "countdown", "math"), "reward.fn",
@@ -242,9 +249,9 @@ class RewardConfig:
 
 @dataclass(kw_only=True, slots=True)
 class EvalConfig:
-    num: int = 500                         # held-out problems evaluated (<= data.num_eval)
-    pass_k: int = 1                        # k of pass@k (k > 1 samples at eval.temperature)
-    temperature: float = 1.0               # sampling temperature when pass_k > 1
+    num: int = resumable(500)              # held-out problems evaluated (<= data.num_eval)
+    pass_k: int = resumable(1)             # k of pass@k (k > 1 samples at eval.temperature)
+    temperature: float = resumable(1.0)    # sampling temperature when pass_k > 1
 
 
 @dataclass(kw_only=True, slots=True)
@@ -255,7 +262,7 @@ class PlacementConfig:
     rollout_replicas: int = 1              # standalone rollout replicas (placement.backend=ray)
     cpus_per_replica: float = 1.0          # CPUs reserved per rollout replica
     rollout_pool: str = "standalone"       # standalone (own Ray bundles) | colocated (replica k on actor bundle k)
-    timeout_s: float = 300.0               # deadline of every remote call
+    timeout_s: float = resumable(300.0)    # deadline of every remote call
     actor_ranks: int = 1                 # data-parallel actor ranks (> 1: Ray actors in one gloo/nccl group)
     critic_ranks: int = 1                # data-parallel critic ranks (PPO; > 1 as for the actor)
     dp_strategy: str = "fsdp2"             # data-parallel ranks: fsdp2 (sharded; allreduce without FSDP2) | allreduce
@@ -297,6 +304,12 @@ class Config:
 
     def hash(self) -> str:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def resumable_keys() -> frozenset[tuple[str, str]]:
+    """(section, key) of every field declared `resumable` (may differ on resume)."""
+    return frozenset((sec, f.name) for sec, cls in _section_types().items()
+                     for f in fields(cls) if f.metadata.get("resumable"))
 
 
 def _plain(v):

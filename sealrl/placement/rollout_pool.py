@@ -45,6 +45,14 @@ class RolloutPool:
             raise ReplicaVersionError(f"rollout replicas serve different versions: {[str(v) for v in held]}")
         return held[0]
 
+    @property
+    def backend(self) -> tuple[str, str]:
+        """(forward backend, dtype) every replica samples with; replicas that differ are an error."""
+        held = self.group.attr("engine.backend", timeout_s=self.timeout_s)
+        if any(b != held[0] for b in held):
+            raise ReplicaVersionError(f"rollout replicas use different backends: {held}")
+        return held[0]
+
     def load(self, state, manifest: WeightManifest) -> PolicyVersion:
         shared = self.group.put(dict(state))  # put once, not per replica
         failed = stage_all(self.group, shared, manifest, self.timeout_s)

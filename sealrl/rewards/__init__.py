@@ -11,6 +11,7 @@ import importlib
 _EXPORTS = {
     "RewardSample": "base", "RewardFunction": "base", "BatchRewardFunction": "base",
     "RawScore": "base", "Outcome": "base", "check_raw": "base", "score_raw": "base",
+    "reward_identity": "base",
     "ArithmeticExactMatch": "verifiers", "CountdownVerifier": "verifiers",
     "MathVerifier": "verifiers", "FormatReward": "verifiers", "WeightedReward": "verifiers",
     "answer_text": "verifiers", "RewardModelScorer": "reward_model", "RewardPool": "pool",

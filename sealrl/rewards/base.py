@@ -20,6 +20,8 @@ pool turns into RewardRecords on the driver side.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import numbers
 import traceback
@@ -84,6 +86,16 @@ class BatchRewardFunction(RewardFunction, Protocol):
     Pools call `score_batch` on a whole request instead of `__call__` per sample."""
 
     def score_batch(self, samples: Sequence[RewardSample]) -> list[RawScore]: ...
+
+
+def reward_identity(fn: RewardFunction) -> dict[str, Any]:
+    """What a resumed run must score with again: the scorer's name and version, and for a
+    dataclass scorer its other field values (e.g. eos_text). JSON-able; values that are not
+    JSON (nested scorers) by their repr, which for dataclasses lists their fields."""
+    config = {f.name: getattr(fn, f.name) for f in dataclasses.fields(fn)
+              if f.name not in ("name", "version")} if dataclasses.is_dataclass(fn) else {}
+    return json.loads(json.dumps({"name": fn.name, "version": fn.version, "config": config},
+                                 sort_keys=True, default=repr))
 
 
 def _short_repr(value: object) -> str:

@@ -46,6 +46,7 @@ class LeanBackend:
     def __init__(self, weights: dict[str, Tensor], template: PreTrainedModel,
                  device: torch.device) -> None:
         self.lm = LeanCausalLM(weights, template.config, template.base_model.rotary_emb, device)
+        self.dtype = self.lm.dtype
 
     def prefill(self, ids: Tensor, positions: Tensor, valid: Tensor, max_len: int,
                 ) -> tuple[Tensor, KVCache]:
@@ -77,6 +78,7 @@ class HFBackend:
         model = copy.deepcopy(template)
         model.load_state_dict(weights, strict=True, assign=True)
         self.model = model.to(device).eval()
+        self.dtype = self.model.dtype
 
     def prefill(self, ids: Tensor, positions: Tensor, valid: Tensor, max_len: int,
                 ) -> tuple[Tensor, DynamicCache]:

@@ -132,6 +132,13 @@ class RolloutEngine:
         return "none" if snap is None else type(snap.backend).__name__
 
     @property
+    def backend(self) -> tuple[str, str]:
+        """(backend_name, dtype of its weights), e.g. ("LeanBackend", "float32"): what sampled."""
+        snap = self._active
+        return ("none", "none") if snap is None else \
+            (self.backend_name, str(snap.backend.dtype).removeprefix("torch."))
+
+    @property
     def staged_version(self) -> PolicyVersion | None:
         snap = self._staged
         return None if snap is None else snap.version

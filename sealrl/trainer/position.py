@@ -11,8 +11,9 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from sealrl import faults
-from sealrl.config import Config, config_diff
+from sealrl.config import Config, config_diff, resumable_keys
 from sealrl.models.hf import model_config_hash, tokenizer_hash
+from sealrl.rewards.base import reward_identity
 from sealrl.trainer.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -24,11 +25,8 @@ from sealrl.trainer.checkpoint import (
     save_checkpoint,
 )
 
-# Keys that may change between a run and its resumption (they do not change the numbers).
-RESUMABLE_KEYS = {("run", "iterations"), ("run", "resume"), ("run", "progress"), ("run", "max_wall_s"),
-                  ("run", "checkpoint_every"), ("run", "eval_every"), ("eval", "num"), ("eval", "pass_k"),
-                  ("eval", "temperature"), ("reward", "num_scorers"), ("reward", "timeout_s"),
-                  ("run", "stage_timeout_s")}
+# Keys that may change between a run and its resumption: those the config declares resumable.
+RESUMABLE_KEYS = resumable_keys()
 
 
 def save_position(run_dir: Path, iteration: int, cfg: Config, roles, sampler, kl_ctl, data_hash: str,
@@ -44,6 +42,7 @@ def save_position(run_dir: Path, iteration: int, cfg: Config, roles, sampler, kl
         "tokenizer_hash": tokenizer_hash(roles.tokenizer),
         "model_config_hash": model_config_hash(actor.model.config),
         "reference_version": roles.reference.version.to_json() if roles.reference else None,
+        "reward_fn": reward_identity(roles.reward.pool.fn),
         "experience": "none pending: checkpoint taken after the iteration's batch was consumed",
         **extra,
     }
@@ -66,13 +65,7 @@ def restore_position(run_dir: Path, cfg: Config, roles, sampler, kl_ctl, data_ha
         return None
     parts = ["actor_model", "actor_optim", "rng"] + (["critic_model", "critic_optim"] if roles.critic else [])
     tensors, state = load_checkpoint(folder, parts)
-    changes = [line for line in config_diff(state["config"], cfg.to_dict())
-               if tuple(line.split(":")[0].split(".", 1)) not in RESUMABLE_KEYS]
-    for key, now in (("tokenizer_hash", tokenizer_hash(roles.tokenizer)),
-                     ("model_config_hash", model_config_hash(roles.actor.model.config)),
-                     ("data_hash", data_hash)):
-        if state[key] != now:
-            changes.append(f"{key}: {state[key]} -> {now}")
+    changes = resume_changes(state, cfg, roles, data_hash)
     if changes:
         raise CheckpointError(f"cannot resume from {folder}: " + "; ".join(changes))
     actor = roles.actor
@@ -87,6 +80,35 @@ def restore_position(run_dir: Path, cfg: Config, roles, sampler, kl_ctl, data_ha
     kl_ctl.load_state_dict(state["kl_controller"])
     rng_from_flat(tensors["rng"])
     return state
+
+
+def resume_changes(state: dict, cfg: Config, roles, data_hash: str) -> list[str]:
+    """What differs between a checkpoint's run and this one, as `key: old -> new` lines: the
+    config (except its resumable keys), the tokenizer, architecture, training data, reference
+    model version and reward function identity. Empty when the resume may go ahead."""
+    changes = [line for line in config_diff(state["config"], cfg.to_dict())
+               if tuple(line.split(":")[0].split(".", 1)) not in RESUMABLE_KEYS]
+    for key, now in (("tokenizer_hash", tokenizer_hash(roles.tokenizer)),
+                     ("model_config_hash", model_config_hash(roles.actor.model.config)),
+                     ("data_hash", data_hash)):
+        if state[key] != now:
+            changes.append(f"{key}: {state[key]} -> {now}")
+    ref = roles.reference.version.to_json() if roles.reference else None
+    changes += _nested_diff("reference_version", _json(state["reference_version"]), _json(ref))
+    changes += _nested_diff("reward_fn", state.get("reward_fn"), reward_identity(roles.reward.pool.fn))
+    return changes
+
+
+def _json(text: str | None):
+    return None if text is None else json.loads(text)
+
+
+def _nested_diff(prefix: str, old, new) -> list[str]:
+    """`prefix.key.sub: old -> new` for every leaf that differs (a missing record is a change)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [line for key in sorted(set(old) | set(new))
+                for line in _nested_diff(f"{prefix}.{key}", old.get(key), new.get(key))]
+    return [] if old == new else [f"{prefix}: {old!r} -> {new!r}"]
 
 
 def forget_after(run_dir: Path, iteration: int) -> None:

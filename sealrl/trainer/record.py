@@ -15,9 +15,12 @@ from sealrl.trainer.ledger import IterationLedger
 def record(run, it: int, batch: ExperienceBatch, ledger: IterationLedger, version, served: list[dict]) -> dict:
     """Write the iteration's experience, ledger and served lines; return its record metrics."""
     cfg, roles = run.cfg, run.roles
+    backend, dtype = roles.rollout_backend()
+    extra = {"old_log_prob_mode": cfg.algorithm.old_log_prob,
+             "reference_version": roles.reference.version.id if roles.reference else "",
+             "rollout_backend": backend, "rollout_dtype": dtype}
     write_iteration(run.dir / "experience", batch, consumed_step=roles.actor.step,
-                    extra={"old_log_prob_mode": [cfg.algorithm.old_log_prob] * len(batch),
-                           "reference_version": [roles.reference.version.id if roles.reference else ""] * len(batch)})
+                    extra={k: [v] * len(batch) for k, v in extra.items()})
     _append(run.dir / "ledger.jsonl", ledger.rows())
     _append(run.dir / "served.jsonl", [{"iteration": it, **call} for call in served])
     metrics = batch_metrics(batch, loss_mask(batch, cfg.algorithm)[1], roles.actor.step, version.step)

@@ -4,10 +4,12 @@ that the loop reads like the state machine."""
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import json
 import os
 import platform
 import subprocess
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,8 +79,18 @@ def write_run_files(run_dir: Path, cfg: Config, seeds: dict, extra: dict) -> Non
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "platform": platform.platform(),
             "torch_threads": torch.get_num_threads(), "placement": cfg.to_dict()["placement"],
-            "seeds": seeds, **extra}
+            "seeds": seeds, "packages": installed_packages(), **extra}
     (run_dir / "run.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
+
+
+def installed_packages() -> dict[str, str]:
+    """name -> version of every distribution installed in this interpreter's environment."""
+    found = {}
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"]
+        if name:   # a broken install can leave a dist-info folder without metadata
+            found.setdefault(name, dist.version)   # the first on sys.path is the one imported
+    return dict(sorted(found.items(), key=lambda kv: kv[0].lower()))
 
 
 def make_deterministic(cfg: Config) -> None:
@@ -145,6 +157,7 @@ class Roles:
     reference: Reference | None
     critic: Critic | None
     tokenizer: object
+    rollout_backend: Callable[[], tuple[str, str]]   # (forward backend, dtype) the rollout samples with
 
     closers: list = field(default_factory=list)   # placement resources, closed last
 
@@ -185,8 +198,12 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
     shared = shared_pool(cfg, closers)  # colocated actor ranks and rollout replicas, or None
     if cfg.placement.actor_ranks > 1:
         actor = data_parallel_role(cfg, "actor", make_actor, actor, closers, shared)
-    rollout = Rollout(model, tokenizer) if cfg.placement.backend == "local" else \
-        ray_rollout_pool(cfg, model, tokenizer, closers, shared)
+    if cfg.placement.backend == "local":
+        rollout = Rollout(model, tokenizer)
+        rollout_backend = functools.partial(getattr, rollout.engine, "backend")
+    else:   # every replica's engine, which must agree
+        rollout = ray_rollout_pool(cfg, model, tokenizer, closers, shared)
+        rollout_backend = functools.partial(getattr, rollout, "backend")
     reference = None
     if cfg.algorithm.kl_coef > 0:  # no reference model is loaded when the KL coefficient is 0
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
@@ -203,7 +220,7 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
         if cfg.placement.critic_ranks > 1:
             critic = data_parallel_role(cfg, "critic", make_critic, critic, closers)
     reward = Reward(build_reward_fn(cfg), cfg.reward.num_scorers, cfg.reward.timeout_s)
-    return Roles(actor, rollout, reward, reference, critic, tokenizer, closers)
+    return Roles(actor, rollout, reward, reference, critic, tokenizer, rollout_backend, closers)
 
 
 def shared_pool(cfg: Config, closers: list):
