@@ -48,7 +48,7 @@ class RolloutPool:
     @property
     def backend(self) -> tuple[str, str]:
         """(forward backend, dtype) every replica samples with; replicas that differ are an error."""
-        held = self.group.attr("engine.backend", timeout_s=self.timeout_s)
+        held = self.group.attr("backend", timeout_s=self.timeout_s)
         if any(b != held[0] for b in held):
             raise ReplicaVersionError(f"rollout replicas use different backends: {held}")
         return held[0]

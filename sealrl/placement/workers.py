@@ -2,8 +2,7 @@
 
     group.call(method, *args)          the same call on every worker; results in worker order
     group.map_shards(method, shards)   worker k gets shards[k] (an args tuple); dict k -> result
-    group.attr(name)                   an attribute of every worker (e.g. the active version;
-                                       dotted names reach into it: "engine.backend")
+    group.attr(name)                   an attribute of every worker (e.g. the active version)
     group.settle(method, shards)       like map_shards, but k -> result or WorkerError (waits for all)
     group.put(value)                   share a large argument once (Ray object store)
     group.restart(k)                   (Ray) replace worker k by a fresh one from the factory
@@ -86,13 +85,6 @@ class WorkerGroup(Protocol):
     def close(self) -> None: ...
 
 
-def _attr(obj: Any, name: str) -> Any:
-    """obj.a.b for name "a.b"."""
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 class LocalWorkerGroup:
     """Role objects in this process; calls run one after another (the `placement=local` path)."""
 
@@ -121,7 +113,7 @@ class LocalWorkerGroup:
         return out
 
     def attr(self, name: str, timeout_s: float | None = None) -> list:
-        return [_attr(w, name) for w in self.workers]
+        return [getattr(w, name) for w in self.workers]
 
     def put(self, value: Any) -> Any:
         return value
@@ -225,7 +217,7 @@ class _RoleHost:
             raise RemoteCallError.portable(e) from None
 
     def attr(self, name: str) -> Any:
-        return _attr(self.role, name)
+        return getattr(self.role, name)
 
     def rendezvous(self) -> str:
         """tcp://<this node's address>:<a free port>, for rank 0 of a process group."""

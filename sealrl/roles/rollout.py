@@ -22,6 +22,11 @@ class Rollout:
         return self.engine.active_version
 
     @property
+    def backend(self) -> tuple[str, str]:
+        """(forward backend, dtype of its weights) the active version samples with."""
+        return self.engine.backend
+
+    @property
     def staged_version(self) -> PolicyVersion | None:
         return self.engine.staged_version
 

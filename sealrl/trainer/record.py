@@ -15,7 +15,7 @@ from sealrl.trainer.ledger import IterationLedger
 def record(run, it: int, batch: ExperienceBatch, ledger: IterationLedger, version, served: list[dict]) -> dict:
     """Write the iteration's experience, ledger and served lines; return its record metrics."""
     cfg, roles = run.cfg, run.roles
-    backend, dtype = roles.rollout_backend()
+    backend, dtype = roles.rollout.backend
     extra = {"old_log_prob_mode": cfg.algorithm.old_log_prob,
              "reference_version": roles.reference.version.id if roles.reference else "",
              "rollout_backend": backend, "rollout_dtype": dtype}

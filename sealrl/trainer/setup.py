@@ -9,7 +9,6 @@ import json
 import os
 import platform
 import subprocess
-from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,7 +156,6 @@ class Roles:
     reference: Reference | None
     critic: Critic | None
     tokenizer: object
-    rollout_backend: Callable[[], tuple[str, str]]   # (forward backend, dtype) the rollout samples with
 
     closers: list = field(default_factory=list)   # placement resources, closed last
 
@@ -200,10 +198,8 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
         actor = data_parallel_role(cfg, "actor", make_actor, actor, closers, shared)
     if cfg.placement.backend == "local":
         rollout = Rollout(model, tokenizer)
-        rollout_backend = functools.partial(getattr, rollout.engine, "backend")
     else:   # every replica's engine, which must agree
         rollout = ray_rollout_pool(cfg, model, tokenizer, closers, shared)
-        rollout_backend = functools.partial(getattr, rollout, "backend")
     reference = None
     if cfg.algorithm.kl_coef > 0:  # no reference model is loaded when the KL coefficient is 0
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
@@ -220,7 +216,7 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
         if cfg.placement.critic_ranks > 1:
             critic = data_parallel_role(cfg, "critic", make_critic, critic, closers)
     reward = Reward(build_reward_fn(cfg), cfg.reward.num_scorers, cfg.reward.timeout_s)
-    return Roles(actor, rollout, reward, reference, critic, tokenizer, rollout_backend, closers)
+    return Roles(actor, rollout, reward, reference, critic, tokenizer, closers)
 
 
 def shared_pool(cfg: Config, closers: list):
