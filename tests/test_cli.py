@@ -2,6 +2,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from sealrl.trainer.config import build_config
 from sealrl.trainer.driver import train
 
@@ -27,6 +29,7 @@ def test_help():
         assert out.returncode == 0 and "usage: sealrl " + sub in out.stdout
 
 
+@pytest.mark.slow
 def test_eval_run_checkpoint_and_model_folder(tmp_path, capsys):
     cfg = build_config(None, [f"run.output_dir={tmp_path}", "run.name=ev", "run.iterations=2", "run.progress=false",
                               "run.checkpoint_every=1", "data.num_train=32", "eval.num=20", "data.prompts_per_iter=4",

@@ -9,6 +9,8 @@ from sealrl.experience.store import read_iteration
 from sealrl.trainer.config import build_config
 from sealrl.trainer.driver import train
 
+pytestmark = pytest.mark.slow   # end-to-end runs of the driver (one on Ray)
+
 
 def small_cfg(tmp_path, model_dir, *extra):
     return build_config(None, [

@@ -78,6 +78,7 @@ def cli_runs(tmp_path_factory):
         pool.shutdown(wait=True, cancel_futures=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", KILLED)
 def test_kill_at_stage_then_resume_equals_straight_run(cli_runs, straight, stage):
     tmp_path, killed, _ = cli_runs("kill", stage)
@@ -90,6 +91,7 @@ def test_kill_at_stage_then_resume_equals_straight_run(cli_runs, straight, stage
     assert report.ok, report.summary()
 
 
+@pytest.mark.slow
 def test_failed_rollout_and_update_recover_in_place(tmp_path, straight):
     os.environ["SEALRL_FAULTS"] = "rollout@1:raise,before_optimizer_step@2:raise,reward@3:raise"
     try:
@@ -105,6 +107,7 @@ def test_failed_rollout_and_update_recover_in_place(tmp_path, straight):
     assert report.ok, report.summary()
 
 
+@pytest.mark.slow
 def test_corrupted_weight_sync_is_refused_naming_the_tensor(cli_runs):
     tmp_path, out, _ = cli_runs("corrupt", "weight_sync@2")
     assert out.returncode == 2
@@ -116,6 +119,7 @@ def _metrics(run):
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage, named, it", HUNG)
 def test_hung_stage_exits_naming_it_then_resume_equals_straight_run(cli_runs, straight, stage, named, it):
     tmp_path, hung, seconds = cli_runs("hang", stage)
@@ -130,6 +134,7 @@ def test_hung_stage_exits_naming_it_then_resume_equals_straight_run(cli_runs, st
     assert report.ok, report.summary()
 
 
+@pytest.mark.slow
 def test_duplicate_and_late_deliveries_are_refused_by_key_and_counted(tmp_path, straight):
     # rollout@2:late: the first generate call "misses its deadline" and is regenerated (same seeds);
     # its samples, identical to the regenerated ones, arrive afterwards and are still refused.

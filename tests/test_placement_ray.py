@@ -204,6 +204,7 @@ def ray_pool(objects):
     assert not left, f"Ray processes left after shutdown: {left}"
 
 
+@pytest.mark.slow
 def test_ray_rollout_pool_gives_the_local_experience(objects, local_samples, ray_pool):
     _, _, (state, v0), _, requests = objects
     assert sync_weights(ray_pool, state, v0) == v0.version
@@ -212,6 +213,7 @@ def test_ray_rollout_pool_gives_the_local_experience(objects, local_samples, ray
     assert sorted(set(metrics["served_by"].values())) == [0, 1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["corrupt", "missing"])
 def test_ray_weight_sync_refuses_a_bad_tensor_and_activates_nothing(objects, ray_pool, damage):
     _, _, (state, v0), (state1, v1), requests = objects
@@ -233,6 +235,7 @@ def test_ray_weight_sync_refuses_a_bad_tensor_and_activates_nothing(objects, ray
     assert ray_pool.attr("version") == [v1.version, v1.version]
 
 
+@pytest.mark.slow
 def test_ray_deadline_names_role_and_workers(objects, ray_pool):
     _, _, (state, v0), _, requests = objects
     sync_weights(ray_pool, state, v0)
@@ -240,6 +243,7 @@ def test_ray_deadline_names_role_and_workers(objects, ray_pool):
         ray_pool.call("generate", requests, CONTRACT, v0.version, timeout_s=0.001)
 
 
+@pytest.mark.slow
 def test_ray_data_parallel_ranks_give_the_one_process_update(ray_pool):
     """Two Ray actors (colocated with the rollout replicas) joined in a gloo group."""
     from sealrl.placement.data_parallel import DataParallelTrainer
@@ -286,6 +290,7 @@ def assert_same_run(run_dir, summary, local_run):
     assert summary["accuracy_after"] == local["accuracy_after"]
 
 
+@pytest.mark.slow
 def test_driver_with_a_ray_rollout_pool_gives_the_local_run(tmp_path, tiny_model_dir, ray_pool, local_run,
                                                              monkeypatch):
     """The unchanged driver loop, its rollout role swapped for a RolloutPool over the 2 Ray
@@ -310,6 +315,7 @@ def test_driver_with_a_ray_rollout_pool_gives_the_local_run(tmp_path, tiny_model
     assert_same_run(tmp_path / "ray" / "e2e", remote, local_run)
 
 
+@pytest.mark.slow
 def test_ray_corrupted_transfer_on_one_replica_activates_nothing_anywhere(objects, ray_pool, tmp_path):
     from sealrl.placement.rollout_pool import RolloutPool
     from sealrl.placement.workers import RayWorkerGroup
@@ -330,6 +336,7 @@ def test_ray_corrupted_transfer_on_one_replica_activates_nothing_anywhere(object
         pool.close()
 
 
+@pytest.mark.slow
 def test_a_replica_dying_while_staging_leaves_every_replica_on_the_old_version(objects, ray_pool, tmp_path):
     """The sync fails naming the dead replica; the replacement loads the version the others
     still serve (verified), so the pool is never mixed; the next sync goes through."""
@@ -351,6 +358,7 @@ def test_a_replica_dying_while_staging_leaves_every_replica_on_the_old_version(o
         pool.close()
 
 
+@pytest.mark.slow
 def test_colocated_and_standalone_rollout_pools_give_identical_experience(objects, local_samples, ray_pool):
     """placement.rollout_pool from the config: replicas on their own bundles, or sharing the
     trainer's bundles; the same seeds give the same samples (and the local ones)."""
@@ -376,6 +384,7 @@ def test_colocated_and_standalone_rollout_pools_give_identical_experience(object
     assert_same_samples(got["standalone"], local_samples)
 
 
+@pytest.mark.slow
 def test_a_replica_past_its_deadline_is_replaced_and_its_shard_resent(objects, local_samples, ray_pool, tmp_path):
     """A replica that hangs in generate misses the pool's deadline: it is killed (its late
     answer can never be joined), a fresh replica loads the active version, verified, and the
@@ -400,6 +409,7 @@ def test_a_replica_past_its_deadline_is_replaced_and_its_shard_resent(objects, l
         pool.close()
 
 
+@pytest.mark.slow
 def test_a_rollout_replica_killed_mid_iteration_is_replaced_and_the_run_is_unchanged(
         objects, tmp_path, tiny_model_dir, ray_pool, local_run, monkeypatch):
     """Issue 6: a replica's process exits while iteration 1's generate is in flight. The pool
@@ -438,6 +448,7 @@ def test_a_rollout_replica_killed_mid_iteration_is_replaced_and_the_run_is_uncha
     assert_same_run(tmp_path / "ray" / "e2e", remote, local_run)
 
 
+@pytest.mark.slow
 def test_resume_in_ray_placement_resyncs_verified_weights_before_generating(tmp_path, tiny_model_dir, ray_pool,
                                                                              local_run, monkeypatch):
     """Stopped after iteration 1 and resumed with placement.backend=ray: the new replicas load

@@ -26,6 +26,7 @@ def _metrics(run):
     return [{k: v for k, v in r.items() if not is_wall_clock(k)} for r in rows]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_killed_and_resumed_run_equals_straight_run(tmp_path, algo):
     extra = [f"algorithm.name={algo}"] + (["algorithm.kl_coef=0.05", "algorithm.kl_in=reward"] if algo == "ppo" else [])

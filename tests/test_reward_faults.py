@@ -18,9 +18,13 @@ import time
 import zlib
 from pathlib import Path
 
+import pytest   # already imported by workers through tests.test_rewards_pool
+
 from sealrl.rewards.base import RewardSample
 from sealrl.rewards.verifiers import ArithmeticExactMatch
 from tests.test_rewards_pool import child_pids
+
+pytestmark = pytest.mark.slow   # fault drills through the driver
 
 # The deadline under test: a scorer call on a ready worker takes milliseconds; a slow call sleeps
 # 600 s. Deadlines start at dispatch, never while a replacement worker boots.

@@ -114,6 +114,7 @@ def test_actor_group_of_one_in_process_rank_is_the_plain_actor():
     assert rank.step == 0 and max_diff(weights(rank.model), weights(make_model())) == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_grpo_two_actor_ranks_give_the_one_process_update_through_a_resume(tmp_path, ray_session, monkeypatch,
                                                                            local_grpo, strategy):
@@ -139,6 +140,7 @@ def test_grpo_two_actor_ranks_give_the_one_process_update_through_a_resume(tmp_p
     assert max(float((w0[n] - w2[n]).abs().max()) for n in w0) > 1e-5   # the updates are not trivially 0
 
 
+@pytest.mark.slow
 def test_ppo_two_actor_and_two_critic_ranks_give_the_one_process_update(tmp_path, ray_session, local_ppo):
     """The default strategy (fsdp2) end to end; allreduce differs only inside the ranks, where
     test_placement_dp runs both strategies (and the GRPO test above runs both end to end)."""
@@ -157,6 +159,7 @@ def test_ppo_two_actor_and_two_critic_ranks_give_the_one_process_update(tmp_path
     assert ma["actor/grad_norm"] == pytest.approx(mb["actor/grad_norm"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_colocated_actor_ranks_share_the_rollout_replicas_bundles(tmp_path, ray_session, local_grpo):
     """placement.rollout_pool=colocated with 2 actor ranks and 2 replicas: one Ray pool, rank k
     and replica k on bundle k (each asks half of it), and the update is the one-process one."""
