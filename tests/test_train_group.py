@@ -160,22 +160,26 @@ def test_ppo_two_actor_and_two_critic_ranks_give_the_one_process_update(tmp_path
 
 
 @pytest.mark.slow
-def test_colocated_actor_ranks_share_the_rollout_replicas_bundles(tmp_path, ray_session, local_grpo):
+def test_colocated_actor_ranks_share_the_rollout_replicas_bundles(tmp_path, ray_session, local_grpo, monkeypatch):
     """placement.rollout_pool=colocated with 2 actor ranks and 2 replicas: one Ray pool, rank k
-    and replica k on bundle k (each asks half of it), and the update is the one-process one."""
+    and replica k on bundle k (each asks half of it), and the update is the one-process one.
+    The pool is inspected inside the run, as the driver builds it (one set of Ray actors)."""
     from sealrl.trainer import setup
     colocated = ["placement.actor_workers=2", "placement.rollout_replicas=2", "placement.rollout_pool=colocated",
                  "placement.backend=ray", "placement.cpus_per_replica=1", "placement.timeout_s=180"]
-    cfg = build_config(None, [*ARGS, "algorithm.name=grpo", *colocated])
-    roles = setup.build_roles(cfg, "colocated")
-    try:
+    build_roles, seen = setup.build_roles, []
+
+    def inspected(cfg, run_id):
+        roles = build_roles(cfg, run_id)
         pool = roles.actor.replicas.group._pool
-        assert pool is roles.rollout.group._pool and pool.spec.roles == ("actor", "rollout")
-        assert pool.spec.num_workers == 2
-        assert roles.actor.replicas.call("sharded") == [True, True]   # placement.dp_strategy=fsdp2 by default
-    finally:
-        roles.close()
+        seen.append({"shared": pool is roles.rollout.group._pool, "roles": pool.spec.roles,
+                     "num_workers": pool.spec.num_workers, "sharded": roles.actor.replicas.call("sharded")})
+        return roles
+
+    monkeypatch.setattr(setup, "build_roles", inspected)
     dp = run(tmp_path, "dp", "algorithm.name=grpo", "run.iterations=1", *colocated)
+    # one pool for both roles; placement.dp_strategy=fsdp2 by default
+    assert seen == [{"shared": True, "roles": ("actor", "rollout"), "num_workers": 2, "sharded": [True, True]}]
     assert_same_weights(local_grpo, dp, "actor_model", 1)
     with pytest.raises(ValueError, match="placement.actor_workers"):
         build_config(None, [*colocated, "placement.rollout_replicas=3"])
