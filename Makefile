@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: test lint install demo clean browser
+.PHONY: test test-fast lint install demo clean browser
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -38,6 +38,10 @@ test: $(STAMP) browser
 lint: $(STAMP)
 	$(BIN)/ruff check sealrl tests benchmarks scripts examples
 	$(BIN)/python scripts/check_size.py sealrl
+# Everything but the end-to-end, Ray and fault-drill tests (@pytest.mark.slow): under 3 minutes
+# on 2 cores. `make test` runs them all.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

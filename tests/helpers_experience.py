@@ -3,9 +3,19 @@ from __future__ import annotations
 
 import torch
 
-from sealrl.experience import (ExperienceBatch, PolicyVersion, RewardRecord, RewardStatus, Role,
-                               SampleMeta, SamplingContract, StopReason, group_id, pad_token_rows,
-                               sample_id)
+from sealrl.experience import (
+    ExperienceBatch,
+    PolicyVersion,
+    RewardRecord,
+    RewardStatus,
+    Role,
+    SampleMeta,
+    SamplingContract,
+    StopReason,
+    group_id,
+    pad_token_rows,
+    sample_id,
+)
 
 V0 = PolicyVersion("run", 0, 0, "w0", "tok", "cfg")
 REF = PolicyVersion("reference", 0, 0, "wref", "tok", "cfg")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import time
 
+from sealrl.placement.workers import RayWorkerGroup
 from sealrl.roles.rollout import Rollout
 
 
@@ -75,3 +76,13 @@ class DiesMidStage(Rollout):
         if manifest.version.step == self.step and first_to_claim(self.marker):
             os._exit(17)
         return super().stage(state, manifest)
+
+
+class PatientRestarts(RayWorkerGroup):
+    """A Ray group whose replacement actors get the group's own (generous) deadline to start,
+    whatever deadline the caller passes: a test that times a pool's deadline on generate keeps
+    that deadline short without also requiring a new actor process (torch imports, seconds on a
+    busy machine) to start within it."""
+
+    def restart(self, k: int, timeout_s: float | None = None) -> None:
+        super().restart(k, timeout_s=self.timeout_s)

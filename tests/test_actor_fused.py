@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from sealrl.config import build_config
 from sealrl.experience.store import read_iteration
 from sealrl.roles.actor import Actor
-from sealrl.config import build_config
 from sealrl.trainer.driver import train
 
 BASE = ["run.iterations=3", "run.progress=false", "data.num_train=48", "eval.num=4", "run.seed=3",

@@ -5,8 +5,15 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from sealrl.algos import (broadcast_to_tokens, gae, grpo_advantages, reinforce_pp_advantages,
-                          reinforce_pp_baseline_advantages, rloo_advantages, whiten)
+from sealrl.algos import (
+    broadcast_to_tokens,
+    gae,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    rloo_advantages,
+    whiten,
+)
 
 t = torch.tensor
 

@@ -6,8 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from sealrl.algos import (KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty,
-                          shaped_token_rewards)
+from sealrl.algos import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty, shaped_token_rewards
 
 t = torch.tensor
 

@@ -5,9 +5,17 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from sealrl.algos import (POLICY_LOSSES, LossNormaliser, aggregate, entropy_from_logits,
-                          gspo_loss, make_normaliser, policy_gradient_loss, ppo_clip_loss,
-                          value_loss)
+from sealrl.algos import (
+    POLICY_LOSSES,
+    LossNormaliser,
+    aggregate,
+    entropy_from_logits,
+    gspo_loss,
+    make_normaliser,
+    policy_gradient_loss,
+    ppo_clip_loss,
+    value_loss,
+)
 
 t = torch.tensor
 NAN = float("nan")

@@ -13,11 +13,11 @@ import pytest
 
 from sealrl import faults
 from sealrl.audit import CHECK_NAMES, add_parser, audit_run
+from sealrl.config import build_config
 from sealrl.experience.ids import digest
 from sealrl.rewards.verifiers import ArithmeticExactMatch
 from sealrl.trainer import driver as driver_module
 from sealrl.trainer import setup as trainer_setup
-from sealrl.config import build_config
 from sealrl.trainer.driver import train
 
 BASE = ["run.iterations=3", "run.progress=false", "run.loggers=", "data.num_train=48", "eval.num=4",

@@ -3,9 +3,17 @@ import json
 import pytest
 import torch
 
-from sealrl.trainer.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint,
-                                       optimizer_from_flat, optimizer_to_flat, rng_from_flat,
-                                       rng_to_flat, save_checkpoint, verify_checkpoint)
+from sealrl.trainer.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    optimizer_from_flat,
+    optimizer_to_flat,
+    rng_from_flat,
+    rng_to_flat,
+    save_checkpoint,
+    verify_checkpoint,
+)
 
 
 def _model_and_opt(seed=0):

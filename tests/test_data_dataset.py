@@ -5,8 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from sealrl.data.dataset import (DatasetError, load_prompts, prompts_from_rows, write_jsonl,
-                                 write_parquet)
+from sealrl.data.dataset import DatasetError, load_prompts, prompts_from_rows, write_jsonl, write_parquet
 from sealrl.data.tasks import make_task
 from sealrl.models.tiny import build_char_tokenizer
 

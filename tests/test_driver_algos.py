@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from sealrl.audit import audit_run
-from sealrl.experience.store import read_iteration, read_table
 from sealrl.config import build_config
+from sealrl.experience.store import read_iteration, read_table
 from sealrl.trainer.driver import train
 
 BASE = ["run.iterations=2", "run.progress=false", "data.num_train=48", "eval.num=8",

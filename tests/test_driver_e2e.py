@@ -5,9 +5,11 @@ import os
 import pyarrow.parquet as pq
 import pytest
 
-from sealrl.experience.store import read_iteration
 from sealrl.config import build_config
+from sealrl.experience.store import read_iteration
 from sealrl.trainer.driver import train
+
+pytestmark = pytest.mark.slow   # end-to-end runs of the driver (one on Ray)
 
 
 def small_cfg(tmp_path, model_dir, *extra):
@@ -58,7 +60,8 @@ def test_run_folder_is_complete(tmp_path, tiny_model_dir, placement):
     trace = json.loads((run / "trace.json").read_text())["traceEvents"]
     phases = [e["name"] for e in trace if e["ph"] == "i"]
     spans = {e["name"]: e["args"] for e in trace if e["ph"] == "X"}   # every stage names its worker
-    assert spans["generate"]["worker"] == ("2 Ray actors (rollout 0..1)" if placement == "ray" else f"pid {os.getpid()}")
+    here = f"pid {os.getpid()}"
+    assert spans["generate"]["worker"] == ("2 Ray actors (rollout 0..1)" if placement == "ray" else here)
     assert spans["update"]["worker"] == f"pid {os.getpid()}" and spans["update"]["iteration"] in (0, 1)
     assert spans["reward"]["worker"] == f"pid {os.getpid()} (inline scorer)" and spans["generate"]["version"]
     assert phases[:7] == ["EXPORTING", "ROLLOUT_LOADING", "ROLLOUT_READY", "GENERATING",
@@ -67,6 +70,7 @@ def test_run_folder_is_complete(tmp_path, tiny_model_dir, placement):
 
 def test_existing_run_is_not_overwritten(tmp_path, tiny_model_dir):
     import pytest
+
     from sealrl.config import ConfigError
     train(small_cfg(tmp_path, tiny_model_dir, "run.iterations=1"))
     with pytest.raises(ConfigError, match="already has checkpoints"):
@@ -75,8 +79,9 @@ def test_existing_run_is_not_overwritten(tmp_path, tiny_model_dir):
 
 def test_a_run_folder_in_use_is_refused(tmp_path, tiny_model_dir):
     import pytest
-    from sealrl.trainer import setup
+
     from sealrl.config import ConfigError
+    from sealrl.trainer import setup
     cfg = small_cfg(tmp_path, tiny_model_dir, "run.iterations=1")
     held = setup.lock_run_dir(setup.open_run_dir(cfg))   # another process's run, as far as flock knows
     try:

@@ -4,8 +4,17 @@ import sys
 import pytest
 import torch
 
-from sealrl.experience import (ExperienceError, PolicyVersion, RewardRecord, RewardStatus, Role,
-                               SamplingContract, StopReason, pad_token_rows, split_sample_id)
+from sealrl.experience import (
+    ExperienceError,
+    PolicyVersion,
+    RewardRecord,
+    RewardStatus,
+    Role,
+    SamplingContract,
+    StopReason,
+    pad_token_rows,
+    split_sample_id,
+)
 from tests.helpers_experience import REF, V0, add_rewards, make_batch
 
 

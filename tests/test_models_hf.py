@@ -4,10 +4,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sealrl.models.hf import (TokenizerMismatchError, check_same_tokenizer, load_causal_lm,
-                              model_config_hash, save_causal_lm, tokenizer_hash)
+from sealrl.models.hf import (
+    TokenizerMismatchError,
+    check_same_tokenizer,
+    load_causal_lm,
+    model_config_hash,
+    save_causal_lm,
+    tokenizer_hash,
+)
 from sealrl.models.tiny import build_char_tokenizer, build_tiny_model
-
 
 
 @pytest.fixture(scope="module")

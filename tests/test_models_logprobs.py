@@ -1,7 +1,6 @@
 """Teacher-forced log-probs: layout (token contract), padded batch == one-by-one, gradients."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 

@@ -131,9 +131,9 @@ def test_redone_iterations_replace_earlier_lines(tmp_path):
 def real_run(tmp_path_factory):
     """Three iterations of GRPO (with a reference model) on a tiny random model, with every
     installed logger."""
+    from sealrl.config import build_config
     from sealrl.models.hf import save_causal_lm
     from sealrl.models.tiny import build_tiny_model
-    from sealrl.config import build_config
     from sealrl.trainer.driver import train
     tmp = tmp_path_factory.mktemp("obs_run")
     model, tok = build_tiny_model(seed=0, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)

@@ -7,8 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sealrl.experience import (ExperienceBatch, PolicyVersion, Role, SampleMeta, SamplingContract,
-                               StopReason, group_id, pad_token_rows, sample_id, split_ids)
+from sealrl.experience import (
+    ExperienceBatch,
+    PolicyVersion,
+    Role,
+    SampleMeta,
+    SamplingContract,
+    StopReason,
+    group_id,
+    pad_token_rows,
+    sample_id,
+    split_ids,
+)
 from sealrl.models.tiny import build_tiny_model
 from sealrl.roles.distributed import all_reduce_grads, all_reduce_sums, own_rows, rank_seed, shard_batch
 from tests.helpers_dist import launch
@@ -113,12 +123,12 @@ def role_sequence(strategy: str, distributed: bool) -> dict:
     an update (3-row minibatches: 2 vs 1 rows, an idle backward), the full state gathered and
     pushed into NEW ranks (a resume), one more update; a critic update. One process when not
     `distributed` (the reference)."""
+    from sealrl.config import build_config
     from sealrl.models.critic import CriticModel
-    from sealrl.roles.distributed import full_optimizer_state, full_state
     from sealrl.placement.train_group import ActorRank, CriticRank
     from sealrl.roles.actor import Actor
     from sealrl.roles.critic import Critic
-    from sealrl.config import build_config
+    from sealrl.roles.distributed import full_optimizer_state, full_state
     cfg = build_config(None, ["actor.micro_batch_size=1", "actor.mini_batch_size=3", "actor.lr=1e-3",
                               "actor.adam_eps=1e-6", "critic.adam_eps=1e-6", "critic.lr=1e-3"])
     def make_actor():   # every rank its own model, as every Ray actor unpickles its own

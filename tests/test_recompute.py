@@ -11,8 +11,8 @@ import pyarrow as pa
 import pytest
 import torch
 
-from sealrl.experience.store import read_iteration, read_table
 from sealrl.config import ConfigError, build_config
+from sealrl.experience.store import read_iteration, read_table
 from sealrl.trainer.driver import train
 from sealrl.trainer.recompute import add_parser, recompute_run
 

@@ -17,8 +17,12 @@ import pytest
 import sealrl.rewards as rewards
 from sealrl.rewards.base import RewardSample
 
-TIMEOUT_S = 1.0
-SLACK_S = 2.5  # shared 2-core machine: start-up of replacement workers, scheduling noise
+# The deadline under test: a call on a ready worker takes milliseconds (~0.1 s for math-verify's
+# first comparison), a "hang" sleeps 1000 s. Deadlines start at dispatch, never during a boot.
+TIMEOUT_S = 5.0
+# "Bounded time": far below any hang (1000 s), far above the deadline plus the start-up of
+# replacement workers on a busy 2-core machine.
+BOUND_S = 60.0
 
 
 class Misbehave:
@@ -136,12 +140,12 @@ def test_bad_scorers_in_workers_bounded_time_and_recovery():
     t0 = time.monotonic()
     records = pool.score(batch)
     wall = time.monotonic() - t0
-    assert wall < TIMEOUT_S + SLACK_S, wall
+    assert wall < BOUND_S, wall
     for i, (record, case) in enumerate(zip(records, CASES)):
         check_case(record, i, *case)
     hang, died, ok = records[len(CASES):]
     assert hang.status == "timeout" and hang.total is None
-    assert "run/0/p90/90" in hang.message and "1 s deadline" in hang.message
+    assert "run/0/p90/90" in hang.message and f"{TIMEOUT_S:g} s deadline" in hang.message
     assert "killed" in hang.message and "'misbehave'" in hang.message
     assert died.status == "error" and "died (exit code 3)" in died.message
     assert ok.status == "ok" and ok.total == 3.0
@@ -166,7 +170,7 @@ def test_every_worker_hangs_then_queued_samples_still_score():
         # deadlines start at dispatch: the queued samples wait for replacements, not time out
         assert [r.status for r in records] == ["timeout", "timeout", "ok", "ok"]
         assert [r.total for r in records[2:]] == [1.0, 2.0]
-        assert wall < TIMEOUT_S + SLACK_S, wall
+        assert wall < BOUND_S, wall
         pids += pool.worker_pids
     assert_gone(pids)
 
@@ -218,7 +222,7 @@ def test_math_verify_blow_up_times_out_in_a_worker():
     with rewards.RewardPool(fn, num_scorers=2, timeout_s=TIMEOUT_S) as pool:
         t0 = time.monotonic()
         slow, good, bad_truth = pool.score(batch)
-        assert time.monotonic() - t0 < TIMEOUT_S + SLACK_S
+        assert time.monotonic() - t0 < BOUND_S
         assert slow.status == "timeout" and slow.scorer == "math_verify"
         assert good.status == "ok" and good.total == 1.0
         assert bad_truth.status == "error" and "ground_truth" in bad_truth.message
@@ -231,7 +235,7 @@ def test_weighted_reward_in_workers():
                                  "format": (rewards.FormatReward(r"\d+"), 0.1)})
     batch = [RewardSample(sample_id=f"w/0/p/{i}", prompt="", response=r, ground_truth=t)
              for i, (r, t) in enumerate([("42<eos>", "42"), ("41", "42"), ("42", None)])]
-    with rewards.RewardPool(fn, num_scorers=1) as pool:
+    with rewards.RewardPool(fn, num_scorers=1, timeout_s=60) as pool:   # generous: not what this tests
         right, wrong, broken = pool.score(batch)
     assert right.total == pytest.approx(1.1) and right.components == {"correct": 1.0, "format": 1.0}
     assert wrong.total == pytest.approx(0.1) and wrong.components == {"correct": 0.0, "format": 1.0}
@@ -256,7 +260,7 @@ def test_reward_model_in_its_own_process(tmp_path):
     batch = [RewardSample(sample_id=f"rm/0/p/{i}", prompt=f"{i}+{i}=", response=str(2 * i))
              for i in range(5)]
     expected = rm.score_batch(batch)  # loads the model here; the pickle sent to the worker does not
-    with rewards.RewardPool(rm, num_scorers=1, timeout_s=30.0) as pool:
+    with rewards.RewardPool(rm, num_scorers=1, timeout_s=120.0) as pool:
         records = pool.score(batch)  # one request: the whole batch, one score_batch call
         pids = pool.worker_pids
     assert [r.total for r in records] == pytest.approx(expected, abs=1e-6)

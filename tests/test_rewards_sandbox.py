@@ -45,7 +45,7 @@ def _sandbox_processes() -> list[str]:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
         except OSError:  # exited meanwhile
             continue
-        uid = int(next(l for l in status.splitlines() if l.startswith("Uid:")).split()[1])
+        uid = int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
         if uid in SANDBOX_UIDS or b"sealrl-sbx-" in cmdline:
             found.append(f"{entry}: uid {uid} {cmdline[:80]!r}")
     return found
@@ -60,7 +60,7 @@ def host_unchanged():
     before = _tmp_traces()
     assert not _sandbox_processes(), "sandbox processes exist before the test"
     yield
-    end = time.monotonic() + 3.0
+    end = time.monotonic() + 60.0   # generous: the wait ends as soon as they are gone
     while _sandbox_processes() and time.monotonic() < end:
         time.sleep(0.05)
     assert not _sandbox_processes()
@@ -92,8 +92,13 @@ print(json.dumps({
 """
 
 
+# Wall limit of the runs of harmless programs (not what those tests check): generous, so a
+# loaded machine never turns a normal run into a timeout. Their default is 5 s.
+WALL_S = 60
+
+
 def _probe(**limits) -> dict:
-    result = run_sandboxed(PROBE, **limits)
+    result = run_sandboxed(PROBE, wall_s=WALL_S, **limits)
     assert result.status is SandboxStatus.OK, result
     return json.loads(result.stdout)
 
@@ -125,7 +130,7 @@ def test_fork_bomb_is_contained_by_nproc():
     assert p["limits"]["NPROC"] == [8, 8] and p["uid"][0] != 0 and p["pid"] == 2
     start = time.monotonic()
     result = run_sandboxed("import os\nwhile True: os.fork()\n", max_processes=8, wall_s=5)
-    assert time.monotonic() - start < 8
+    assert time.monotonic() - start < 60   # bounded: a bomb that escaped would never end
     assert result.status in (SandboxStatus.ERROR, SandboxStatus.KILLED, SandboxStatus.TIMEOUT)
     if result.status is SandboxStatus.ERROR:
         assert result.limit == "processes", result.stderr[-300:]
@@ -137,33 +142,36 @@ def test_escaped_descendant_dies_with_the_run():
         import os, time
         if os.fork() == 0:
             os.setsid()          # leaves the process group: only the pid namespace catches it
-            time.sleep(60)
+            time.sleep(3600)
         print("parent done")
     """)
     start = time.monotonic()
-    result = run_sandboxed(code, wall_s=5)
+    result = run_sandboxed(code, wall_s=WALL_S)
+    # OK, not TIMEOUT: the run ended with the parent, not at the wall limit the child would reach
     assert result.status is SandboxStatus.OK and result.stdout == "parent done\n"
-    assert time.monotonic() - start < 4  # not the child's 60 s
+    assert time.monotonic() - start < WALL_S  # not the child's 3600 s
 
 
 @needs_root
 def test_infinite_loop_hits_the_cpu_limit():
     # A generous wall limit: on a loaded host 1 s of CPU can take several seconds of wall time.
-    result = run_sandboxed("while True: pass\n", cpu_s=1, wall_s=20)
+    result = run_sandboxed("while True: pass\n", cpu_s=1, wall_s=WALL_S)
     assert result.status is SandboxStatus.KILLED and result.limit == "cpu"
     assert result.exit_code == -signal.SIGXCPU
     assert result.cpu_s > 0.5  # rusage lags the tick-based limit check a little
     handled = "import signal\nsignal.signal(signal.SIGXCPU, lambda *a: None)\nwhile True: pass\n"
-    result = run_sandboxed(handled, cpu_s=1, wall_s=20)  # ignores SIGXCPU: SIGKILL at 1 s more
+    result = run_sandboxed(handled, cpu_s=1, wall_s=WALL_S)  # ignores SIGXCPU: SIGKILL at 1 s more
     assert result.status is SandboxStatus.KILLED and result.limit == "cpu"
     assert result.exit_code == -signal.SIGKILL and result.cpu_s > 1.5
 
 
 @needs_root
 def test_sleep_hits_the_wall_deadline():
-    result = run_sandboxed("import time\nprint('up', flush=True)\ntime.sleep(60)\n", wall_s=1)
+    # The deadline under test (5 s): a sandboxed interpreter prints "up" within a fraction of a
+    # second, even on a loaded machine; the sleep (3600 s) never ends by itself.
+    result = run_sandboxed("import time\nprint('up', flush=True)\ntime.sleep(3600)\n", wall_s=5)
     assert result.status is SandboxStatus.TIMEOUT and result.limit == "wall"
-    assert result.stdout == "up\n" and result.wall_s < 4
+    assert result.stdout == "up\n" and result.wall_s < 60
 
 
 @needs_root
@@ -196,7 +204,7 @@ def test_writes_outside_the_work_folder_fail_and_leave_nothing():
         open("inside.txt", "w").write("fine")  # the work folder itself is writable
         print("inside ok")
     """)
-    result = run_sandboxed(code)
+    result = run_sandboxed(code, wall_s=WALL_S)
     assert result.status is SandboxStatus.OK, result.stderr
     assert "WROTE" not in result.stdout and "inside ok" in result.stdout
     for path in targets:
@@ -226,7 +234,7 @@ def test_host_files_are_unreadable():
                 except OSError as e:
                     print("denied", path, e.errno)
         """)
-        result = run_sandboxed(code)
+        result = run_sandboxed(code, wall_s=WALL_S)
     finally:
         for path in (readable, top_dir / "data.txt", top_file):
             path.unlink()
@@ -248,7 +256,7 @@ def test_network_is_unreachable():
             import socket, time
             for addr in [("127.0.0.1", {port}), ("192.0.2.1", 80)]:
                 s = socket.socket()
-                s.settimeout(2)
+                s.settimeout(20)
                 start = time.monotonic()
                 try:
                     s.connect(addr)
@@ -256,14 +264,15 @@ def test_network_is_unreachable():
                 except OSError as e:
                     print("refused", addr, e.errno, round(time.monotonic() - start, 2))
         """)
-        result = run_sandboxed(code)
+        result = run_sandboxed(code, wall_s=WALL_S)
         with pytest.raises(BlockingIOError):
             listener.accept()  # nothing ever reached the host's loopback
     assert result.status is SandboxStatus.OK, result.stderr
     lines = result.stdout.splitlines()
-    assert len(lines) == 2 and all(l.startswith("refused") for l in lines)
-    assert all(int(l.split()[-2]) == errno.ENETUNREACH and float(l.split()[-1]) < 0.5
-               for l in lines)
+    assert len(lines) == 2 and all(line.startswith("refused") for line in lines)
+    # refused at once (no route), not after the 20 s connect timeout
+    assert all(int(line.split()[-2]) == errno.ENETUNREACH and float(line.split()[-1]) < 10
+               for line in lines)
 
 
 @needs_root
@@ -271,11 +280,11 @@ def test_killing_the_caller_kills_the_sandboxed_program():
     driver = textwrap.dedent("""
         import sys
         from sealrl.rewards.sandbox import run_sandboxed
-        run_sandboxed("import time\\ntime.sleep(60)\\n", wall_s=60)
+        run_sandboxed("import time\\ntime.sleep(600)\\n", wall_s=600)
     """)
     parent = subprocess.Popen([sys.executable, "-c", driver], cwd=REPO)
     try:
-        end = time.monotonic() + 15
+        end = time.monotonic() + 60   # generous: the wait ends once the sleeper is up
         while not any("main.py" in p for p in _sandbox_processes()):
             assert time.monotonic() < end, "the sandboxed sleeper never started"
             assert parent.poll() is None, "the caller exited early"
@@ -283,7 +292,7 @@ def test_killing_the_caller_kills_the_sandboxed_program():
     finally:
         parent.kill()  # SIGKILL: no finally, no cleanup of its own
         parent.wait()
-    end = time.monotonic() + 5
+    end = time.monotonic() + 60   # generous; the sleeper alone would live 600 s
     while _sandbox_processes():
         assert time.monotonic() < end, f"left behind: {_sandbox_processes()}"
         time.sleep(0.05)
@@ -292,7 +301,7 @@ def test_killing_the_caller_kills_the_sandboxed_program():
 
 @needs_root
 def test_output_is_capped():
-    result = run_sandboxed("import sys\nsys.stdout.write('y' * 1_000_000)\n", max_output_bytes=1000)
+    result = run_sandboxed("import sys\nsys.stdout.write('y' * 1_000_000)\n", max_output_bytes=1000, wall_s=WALL_S)
     assert result.status is SandboxStatus.OK and result.stdout_truncated
     assert result.stdout == "y" * 1000
 
@@ -305,11 +314,11 @@ REFUSAL_DRIVER = textwrap.dedent("""
     from sealrl.rewards.code import CodeExecutionReward
     from sealrl.rewards.pool import RewardPool
     from sealrl.rewards.sandbox import run_sandboxed
-    strict = run_sandboxed("print(1)")
-    weak = run_sandboxed("import os\\nprint(os.getuid())", allow_weak=True)
+    strict = run_sandboxed("print(1)", wall_s=60)
+    weak = run_sandboxed("import os\\nprint(os.getuid())", allow_weak=True, wall_s=60)
     sample = RewardSample(sample_id="r/0/0/0", prompt="", response="print(1)",
                           ground_truth={"tests": [{"stdin": "", "stdout": "1"}]})
-    pool = RewardPool(CodeExecutionReward(), num_scorers=1, timeout_s=20)
+    pool = RewardPool(CodeExecutionReward(timeout_s=60), num_scorers=1, timeout_s=120)
     record = pool.score([sample])[0]
     pool.close()
     print(json.dumps({"strict": [strict.status, strict.message], "weak": [weak.status,
@@ -322,7 +331,7 @@ def test_refused_without_namespaces():
     # Same host, minus CAP_SYS_ADMIN (dropped from the bounding set): unshare fails with EPERM.
     out = subprocess.run(["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin",
                           sys.executable, "-c", REFUSAL_DRIVER], cwd=REPO, capture_output=True,
-                         text=True, timeout=60)
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.splitlines()[-1])
     assert got["strict"][0] == "refused" and "namespace: unshare failed" in got["strict"][1]
@@ -349,14 +358,16 @@ def test_extract_code_takes_the_last_fence():
 @needs_root
 def test_correct_program_passes_every_test():
     response = f"Here you go:\n```python\n{ADD}```"
-    assert CodeExecutionReward()(_sample(response, ADD_TESTS)) == 1.0
+    assert CodeExecutionReward(timeout_s=WALL_S)(_sample(response, ADD_TESTS)) == 1.0
 
 
 @needs_root
 def test_wrong_partial_and_failing_programs():
-    reward = CodeExecutionReward(timeout_s=1)
+    # 5 s per test run: a sandboxed "print" takes a fraction of a second; the loop below never
+    # ends and, with 10 s of CPU allowed, meets the wall limit first (a timeout)
+    reward = CodeExecutionReward(timeout_s=5, cpu_s=10)
     assert reward(_sample("print(3)", ADD_TESTS)) == pytest.approx(1 / 3)
-    assert CodeExecutionReward(all_or_nothing=True)(_sample("print(3)", ADD_TESTS)) == 0.0
+    assert CodeExecutionReward(all_or_nothing=True, timeout_s=WALL_S)(_sample("print(3)", ADD_TESTS)) == 0.0
     assert reward(_sample("print('nope')", ADD_TESTS)) == 0.0
     assert reward(_sample("raise SystemExit(3)", ADD_TESTS)) == 0.0  # a crash: failed, not error
     assert reward(_sample("while True: pass", ADD_TESTS[:1])) == 0.0  # a timeout: failed too
@@ -382,9 +393,9 @@ def test_expected_output_is_not_visible_in_the_sandbox():
         found = [m for s in seen for m in re.findall(r"[0-9a-f]{32}", s) if m not in noise]
         print(found[0] if found else "nothing")
     """)
-    reward = CodeExecutionReward(timeout_s=5)
+    reward = CodeExecutionReward(timeout_s=WALL_S)
     assert reward(_sample(snoop, [{"stdin": "x\n", "stdout": secret}])) == 0.0
-    assert run_sandboxed(snoop, "x\n").stdout == "nothing\n"
+    assert run_sandboxed(snoop, "x\n", wall_s=WALL_S).stdout == "nothing\n"
 
 
 def test_bad_ground_truth_raises():
@@ -402,7 +413,8 @@ def test_through_the_reward_pool():
     samples = [RewardSample(sample_id=f"r/0/{i}/0", prompt="", response=r,
                             ground_truth=json.dumps({"tests": ADD_TESTS}))
                for i, r in enumerate([ADD, "print(3)", "import os\nwhile True: os.fork()\n"])]
-    pool = RewardPool(CodeExecutionReward(timeout_s=2), num_scorers=1, timeout_s=30)
+    # generous limits (not what this tests): 3 programs x 3 test runs, each far below its 20 s
+    pool = RewardPool(CodeExecutionReward(timeout_s=20), num_scorers=1, timeout_s=300)
     try:
         records = pool.score(samples)
     finally:

@@ -6,8 +6,17 @@ import time
 
 import pytest
 
-from sealrl.rewards import (ArithmeticExactMatch, CountdownVerifier, FormatReward, MathVerifier,
-                            RewardSample, WeightedReward, answer_text, check_raw, score_raw)
+from sealrl.rewards import (
+    ArithmeticExactMatch,
+    CountdownVerifier,
+    FormatReward,
+    MathVerifier,
+    RewardSample,
+    WeightedReward,
+    answer_text,
+    check_raw,
+    score_raw,
+)
 from sealrl.rewards.countdown import MAX_DEPTH, countdown_value
 
 
@@ -93,7 +102,7 @@ def test_countdown_parser_is_exact_and_bounded():
     assert countdown_value(deep) is None                   # no RecursionError
     assert countdown_value("(" * 100_000 + "2" + ")" * 100_000) is None
     assert countdown_value("9" * 5000) is None             # literal too long, no int() blow-up
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 10.0                     # milliseconds; generous for a busy machine
 
 
 @pytest.mark.parametrize("truth", [None, {"target": "14", "numbers": [2]}, {"target": 14},

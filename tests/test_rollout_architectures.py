@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, \
-    Qwen2ForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from sealrl.experience.records import SamplingContract
 from sealrl.models.hf import model_config_hash, tokenizer_hash
@@ -18,8 +17,6 @@ from sealrl.models.tiny import build_char_tokenizer
 from sealrl.rollout import GenerationRequest, RolloutEngine
 from sealrl.rollout.backends import LeanBackend, weightless_template
 from sealrl.sync.manifest import build_manifest
-
-
 
 SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 

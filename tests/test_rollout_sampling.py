@@ -6,8 +6,7 @@ import math
 import torch
 
 from sealrl.models.logprobs import token_log_probs
-from sealrl.rollout.sampling import (candidate_seed, draw, filter_logits, fmix32, sample_step,
-                                     uniform_noise)
+from sealrl.rollout.sampling import candidate_seed, draw, filter_logits, fmix32, sample_step, uniform_noise
 
 M32 = 0xFFFFFFFF
 

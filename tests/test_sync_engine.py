@@ -13,7 +13,6 @@ from sealrl.rollout import GenerationRequest, RolloutEngine, VersionNotHeldError
 from sealrl.sync.manifest import WeightSyncError, build_manifest
 
 
-
 @pytest.fixture()
 def setup():
     model, tokenizer = build_tiny_model(seed=0, hidden_size=32, num_layers=2, intermediate_size=64)

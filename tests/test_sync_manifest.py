@@ -4,8 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sealrl.sync.manifest import (WeightManifest, WeightSyncError, build_manifest, tensor_sha256,
-                                  verify_weights)
+from sealrl.sync.manifest import WeightManifest, WeightSyncError, build_manifest, tensor_sha256, verify_weights
 
 
 def state_dict() -> dict[str, torch.Tensor]:

@@ -9,9 +9,9 @@ import pickle
 import pytest
 import torch
 
+from sealrl.experience import MissingResultsError
 from sealrl.models.hf import model_config_hash, tokenizer_hash
 from sealrl.models.tiny import build_tiny_model
-from sealrl.experience import MissingResultsError
 from sealrl.placement.rollout_pool import RolloutPool
 from sealrl.placement.workers import LocalWorkerGroup, RemoteCallError, WorkerError
 from sealrl.roles.rollout import Rollout

@@ -16,11 +16,11 @@ import torch
 from safetensors.torch import load_file
 
 from sealrl import faults
+from sealrl.config import build_config
 from sealrl.experience.store import read_iteration
 from sealrl.placement.train_group import ActorGroup, ActorRank, join_rows
 from sealrl.placement.workers import LocalWorkerGroup
 from sealrl.roles.actor import Actor
-from sealrl.config import build_config
 from sealrl.trainer.driver import train
 from tests.test_placement_dp import HORIZON, V0, make_batch, make_model, max_diff
 
@@ -114,6 +114,7 @@ def test_actor_group_of_one_in_process_rank_is_the_plain_actor():
     assert rank.step == 0 and max_diff(weights(rank.model), weights(make_model())) == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_grpo_two_actor_ranks_give_the_one_process_update_through_a_resume(tmp_path, ray_session, monkeypatch,
                                                                            local_grpo, strategy):
@@ -139,6 +140,7 @@ def test_grpo_two_actor_ranks_give_the_one_process_update_through_a_resume(tmp_p
     assert max(float((w0[n] - w2[n]).abs().max()) for n in w0) > 1e-5   # the updates are not trivially 0
 
 
+@pytest.mark.slow
 def test_ppo_two_actor_and_two_critic_ranks_give_the_one_process_update(tmp_path, ray_session, local_ppo):
     """The default strategy (fsdp2) end to end; allreduce differs only inside the ranks, where
     test_placement_dp runs both strategies (and the GRPO test above runs both end to end)."""
@@ -157,22 +159,27 @@ def test_ppo_two_actor_and_two_critic_ranks_give_the_one_process_update(tmp_path
     assert ma["actor/grad_norm"] == pytest.approx(mb["actor/grad_norm"], rel=1e-5)
 
 
-def test_colocated_actor_ranks_share_the_rollout_replicas_bundles(tmp_path, ray_session, local_grpo):
+@pytest.mark.slow
+def test_colocated_actor_ranks_share_the_rollout_replicas_bundles(tmp_path, ray_session, local_grpo, monkeypatch):
     """placement.rollout_pool=colocated with 2 actor ranks and 2 replicas: one Ray pool, rank k
-    and replica k on bundle k (each asks half of it), and the update is the one-process one."""
+    and replica k on bundle k (each asks half of it), and the update is the one-process one.
+    The pool is inspected inside the run, as the driver builds it (one set of Ray actors)."""
     from sealrl.trainer import setup
     colocated = ["placement.actor_ranks=2", "placement.rollout_replicas=2", "placement.rollout_pool=colocated",
                  "placement.backend=ray", "placement.cpus_per_replica=1", "placement.timeout_s=180"]
-    cfg = build_config(None, [*ARGS, "algorithm.name=grpo", *colocated])
-    roles = setup.build_roles(cfg, "colocated")
-    try:
+    build_roles, seen = setup.build_roles, []
+
+    def inspected(cfg, run_id):
+        roles = build_roles(cfg, run_id)
         pool = roles.actor.replicas.group._pool
-        assert pool is roles.rollout.group._pool and pool.spec.roles == ("actor", "rollout")
-        assert pool.spec.num_workers == 2
-        assert roles.actor.replicas.call("sharded") == [True, True]   # placement.dp_strategy=fsdp2 by default
-    finally:
-        roles.close()
+        seen.append({"shared": pool is roles.rollout.group._pool, "roles": pool.spec.roles,
+                     "num_workers": pool.spec.num_workers, "sharded": roles.actor.replicas.call("sharded")})
+        return roles
+
+    monkeypatch.setattr(setup, "build_roles", inspected)
     dp = run(tmp_path, "dp", "algorithm.name=grpo", "run.iterations=1", *colocated)
+    # one pool for both roles; placement.dp_strategy=fsdp2 by default
+    assert seen == [{"shared": True, "roles": ("actor", "rollout"), "num_workers": 2, "sharded": [True, True]}]
     assert_same_weights(local_grpo, dp, "actor_model", 1)
     with pytest.raises(ValueError, match="placement.actor_ranks"):
         build_config(None, [*colocated, "placement.rollout_replicas=3"])
