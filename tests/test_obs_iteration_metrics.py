@@ -19,6 +19,7 @@ from sealrl.trainer.iteration_metrics import (
     preparation_metrics,
     rollout_metrics,
     share_metrics,
+    stage_io_metrics,
     version_metrics,
 )
 from sealrl.trainer.ledger import new_iteration
@@ -168,6 +169,19 @@ def test_queue_time_is_measured_by_the_stage_timer():
     assert m["prep/reference_tokens_per_s"] == 20 / timer.stage_seconds["reference"]
     timer.start_iteration(1)
     assert timer.stage_spans == []
+
+
+def test_reward_stage_and_replica_recovery_metrics_golden():
+    """Responses of 2 + 1 + 3 tokens scored in a 0.5 s reward stage that started 0.25 s after
+    generation ended: 12 tokens/s and 0.25 s of queue; two replacements of 1.5 s and 0.5 s."""
+    groups = {"g": [_sample("g", 0, response=(5, 2)), _sample("g", 1, response=(2,)),
+                    _sample("g", 2, response=(5, 6, 2))]}
+    spans = [("generate", 10.0, 12.0), ("reward", 12.25, 12.75)]
+    assert stage_io_metrics(spans, groups, [1.5, 0.5]) == {
+        "rollout/replica_replacements": 2.0, "rollout/replica_recovery_s": 2.0,
+        "reward/queue_s": 0.25, "reward/tokens_per_s": 12.0}
+    assert stage_io_metrics([], groups, []) == {"rollout/replica_replacements": 0.0,
+                                                "rollout/replica_recovery_s": 0.0}
 
 
 def test_share_metrics_is_the_timeline_definition():

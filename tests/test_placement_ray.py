@@ -424,6 +424,8 @@ def test_a_rollout_replica_killed_mid_iteration_is_replaced_and_the_run_is_uncha
     assert pool.join_counts["placement/rollout_duplicate"] == pool.join_counts["placement/rollout_late"] == 0.0
     metrics = [json.loads(x) for x in (tmp_path / "ray" / "e2e" / "metrics.jsonl").read_text().splitlines()]
     assert [m["groups/regenerated_samples"] for m in metrics] == [0, 0]   # recovered inside the pool
+    assert sum(m["rollout/replica_replacements"] for m in metrics) == 1
+    assert sum(m["rollout/replica_recovery_s"] for m in metrics) > 0
     assert_same_run(tmp_path / "ray" / "e2e", remote, local_run)
 
 

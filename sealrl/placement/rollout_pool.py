@@ -21,6 +21,7 @@ replacement replica can be brought to it without the actor.
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from sealrl.experience import PolicyVersion, SamplingContract
@@ -35,6 +36,7 @@ class RolloutPool:
         self.group, self.timeout_s, self.max_replacements = group, timeout_s, max_replacements
         self.served: list[dict] = []   # one entry per generate call
         self.history: list[tuple[str, str]] = []   # ("load" | "generate" | "replace k", version id)
+        self.recoveries: list[float] = []          # seconds each replacement took, since the last take
         self.join_counts: dict[str, float] = {}
         self._active: tuple[Any, WeightManifest] | None = None   # (shared state, manifest) every replica serves
 
@@ -66,7 +68,9 @@ class RolloutPool:
         return manifest.version
 
     def _replace(self, k: int) -> None:
+        t0 = time.perf_counter()
         replace_replica(self.group, k, self._active, self.timeout_s)
+        self.recoveries.append(time.perf_counter() - t0)
         self.history.append((f"replace {k}", self._active[1].version.id if self._active else ""))
 
     def generate(self, requests: list[GenerationRequest], contract: SamplingContract,
@@ -81,6 +85,12 @@ class RolloutPool:
         for k, v in metrics.items():
             self.join_counts[k] = self.join_counts.get(k, 0.0) + v
         return samples
+
+    def take_recoveries(self) -> list[float]:
+        """Seconds each replica replacement took (start a fresh one, load the active version
+        verified) since the last take (then forgotten)."""
+        recoveries, self.recoveries = self.recoveries, []
+        return recoveries
 
     def take_served(self) -> list[dict]:
         """Who served which sample id, per generate call since the last take (then forgotten)."""

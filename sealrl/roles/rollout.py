@@ -50,6 +50,10 @@ class Rollout:
         """GENERATING(v): refuses any version other than the active one."""
         return self.engine.generate(requests, contract, version)
 
+    def take_recoveries(self) -> list[float]:
+        """Seconds of each replica replacement (a replica pool's record): none in one process."""
+        return []
+
     def take_served(self) -> list[dict]:
         """Who served which sample id (a replica pool's record): here, always this process."""
         return []

@@ -20,7 +20,7 @@ from sealrl.trainer import drills, setup
 from sealrl.trainer.collect import generate, score
 from sealrl.trainer.evaluate import evaluate
 from sealrl.trainer.inputs import check_inputs, write_dropped_rows
-from sealrl.trainer.iteration_metrics import rollout_metrics, share_metrics
+from sealrl.trainer.iteration_metrics import rollout_metrics, share_metrics, stage_io_metrics
 from sealrl.trainer.ledger import new_iteration
 from sealrl.trainer.position import forget_after, restore_position, save_position
 from sealrl.trainer.prepare import build_batch, prepare, seal
@@ -142,7 +142,8 @@ def run_iteration(run: Run, it: int, version) -> dict:
                                prompt_of(g).data_source) for g, ss in groups.items() for s in ss}
         records, kept = score(run, ledger, groups, items)
     ledger.commit(list(kept))
-    metrics = {**ledger.counts(), **rollout_metrics(groups, records, run.timer.stage_seconds["generate"])}
+    metrics = {**ledger.counts(), **rollout_metrics(groups, records, run.timer.stage_seconds["generate"]),
+               **stage_io_metrics(run.timer.stage_spans, groups, roles.rollout.take_recoveries())}
     if not kept:
         raise StageFailed(f"iteration {it}: every group was dropped ({ledger.rows()[0]['reason']})")
     batch = build_batch(run, it, kept, records, prompt_of, texts, version)

@@ -63,6 +63,20 @@ def rollout_metrics(groups, records, generate_s: float) -> dict[str, float]:
     return out
 
 
+def stage_io_metrics(stage_spans: Sequence[tuple[str, float, float]], groups, recoveries: list[float]
+                     ) -> dict[str, float]:
+    """The reward stage's response tokens/s and queue time (the gap after the generate stage),
+    and the rollout replicas replaced in the iteration with the seconds their recovery took."""
+    spans = {name: (start, end) for name, start, end in stage_spans}
+    out = {"rollout/replica_replacements": float(len(recoveries)), "rollout/replica_recovery_s": sum(recoveries)}
+    if "reward" in spans and "generate" in spans:
+        start, end = spans["reward"]
+        tokens = sum(len(s.response_ids) for ss in groups.values() for s in ss)
+        out["reward/queue_s"] = start - spans["generate"][1]
+        out["reward/tokens_per_s"] = tokens / (end - start) if end > start else 0.0
+    return out
+
+
 def ref_kl(batch: ExperienceBatch) -> float:
     """`kl/ref_kl`, what the adaptive KL controller steps on: mean k3 of old vs reference
     log-probs over action tokens (0 without a reference)."""
