@@ -46,7 +46,7 @@ def rollout_metrics(groups, records, generate_s: float) -> dict[str, float]:
     }
     for reason in ("eos", "stop", "length", "error"):
         out[f"rollout/stop_{reason}_frac"] = reasons.count(reason) / len(samples)
-    # finish_s counts from the generate stage start (see from_stage_start).
+    # finish_s counts from the generate stage start (collect.generate shifts each call's).
     group_done = torch.tensor([max(s.finish_s for s in ss) for ss in groups.values()], dtype=torch.float64)
     out["rollout/first_completion_s"] = min(s.finish_s for s in samples)
     out["rollout/last_completion_s"] = float(group_done.max())
@@ -137,7 +137,7 @@ def preparation_metrics(stage_spans: Sequence[tuple[str, float, float]], batch: 
                         forward_stages: Iterable[str]) -> dict[str, float]:
     """Tokens/s and queue time of each preparation stage that ran a forward pass over `batch`.
 
-    stage_spans: StateMachine.stage_spans, (stage, start, end) in seconds. A role's forward
+    stage_spans: StageTimer.stage_spans, (stage, start, end) in seconds. A role's forward
     processes every sample's prompt and response tokens (padding excluded). A stage's queue time
     is the gap from the end of the latest stage that ended before it started to its start:
     its input was complete then, and in the synchronous driver the gap is the driver's own

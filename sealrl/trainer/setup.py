@@ -196,10 +196,8 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
     shared = shared_pool(cfg, closers)  # colocated actor ranks and rollout replicas, or None
     if cfg.placement.actor_ranks > 1:
         actor = data_parallel_role(cfg, "actor", make_actor, actor, closers, shared)
-    if cfg.placement.backend == "local":
-        rollout = Rollout(model, tokenizer)
-    else:   # every replica's engine, which must agree
-        rollout = ray_rollout_pool(cfg, model, tokenizer, closers, shared)
+    rollout = Rollout(model, tokenizer) if cfg.placement.backend == "local" else \
+        ray_rollout_pool(cfg, model, tokenizer, closers, shared)
     reference = None
     if cfg.algorithm.kl_coef > 0:  # no reference model is loaded when the KL coefficient is 0
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
