@@ -105,7 +105,8 @@ def test_the_passing_runs_exercise_the_rules(runs):
     metrics = [json.loads(x) for x in (runs["faults"] / "metrics.jsonl").read_text().splitlines()]
     assert metrics[1]["update/attempts"] == 2 and metrics[1]["reward/errors"] > 0
     assert metrics[2]["rollout/failed_calls"] == 1 and metrics[2]["groups/regenerated_samples"] > 0
-    table = pa.concat_tables([pq.read_table(p) for p in sorted((runs["penalty"] / "experience").iterdir())])
+    files = sorted((runs["penalty"] / "experience").glob("iter_*.parquet"))
+    table = pa.concat_tables([pq.read_table(p) for p in files])
     assert "error" in table.column("reward_status").to_pylist()
     ledger = [json.loads(x) for x in (runs["drop"] / "ledger.jsonl").read_text().splitlines()]
     dropped = [r for r in ledger if r["status"] == "dropped"]
@@ -209,10 +210,37 @@ def test_mixed_policy_versions(run):
 def test_consumed_by_more_steps_than_minibatches(run):
     """consumed_step is outside the seal: only the step arithmetic catches an update that ran
     over the batch more often than actor.ppo_epochs x minibatches."""
-    _rewrite(_iter(run, 2), lambda c: c.update(consumed_step=[s + 5 for s in c["consumed_step"]]))
+    _edit_consumed(run, lambda rows: rows[2].update(consumed_step=rows[2]["consumed_step"] + 5))
     report = audit_run(run)
     assert report.failed_checks() == ["policy_version"]
     assert "6 optimizer steps consumed 16 samples" in report.violations[0].message
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda rows: rows.pop(1), "consumed_step is not set"),
+    (lambda rows: rows.append(dict(rows[1])), "consumed 2 times"),
+    (lambda rows: rows.append({**rows[0], "iteration": 9}), "an iteration with no experience file"),
+])
+def test_a_consumption_missing_doubled_or_of_nothing(run, edit, match):
+    _edit_consumed(run, edit)
+    report = audit_run(run)
+    assert "used_once" in report.failed_checks()
+    assert any(match in v.message for v in report.violations if v.check == "used_once"), report.summary()
+
+
+def test_an_unreadable_consumption_line(run):
+    with open(run / "experience" / "consumed.jsonl", "a") as f:
+        f.write("{half a line\n")
+    report = audit_run(run)
+    assert report.failed_checks() == ["used_once"]
+    assert "consumed.jsonl line 4: JSONDecodeError" in report.violations[0].message
+
+
+def _edit_consumed(run: Path, edit) -> None:
+    path = run / "experience" / "consumed.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    edit(rows)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def test_mask_of_wrong_length(run):
@@ -265,7 +293,7 @@ def test_errored_reward_scored_other_than_the_penalty(run):
     def edit(c):
         i = c["reward_status"].index("error")
         c["scores"][i] = 1.0
-    path = next(p for p in sorted((run / "experience").iterdir())
+    path = next(p for p in sorted((run / "experience").glob("iter_*.parquet"))
                 if "error" in pq.read_table(p).column("reward_status").to_pylist())
     _rewrite(path, edit)
     assert _failed(run) == ["rewards"]

@@ -47,7 +47,9 @@ def test_run_folder_is_complete(tmp_path, tiny_model_dir, placement):
     assert len(batch) == 16 and len(set(batch.sample_ids)) == 16
     assert {s.policy_version for s in batch.samples} == {batch.provenance("old_log_probs")[1]}
     table = pq.read_table(run / "experience" / "iter_000001.parquet")
-    assert set(table.column("consumed_step").to_pylist()) == {2}
+    consumed = [json.loads(x) for x in (run / "experience" / "consumed.jsonl").read_text().splitlines()]
+    assert [(c["iteration"], c["consumed_step"]) for c in consumed] == [(0, 1), (1, 2)]
+    assert consumed[1]["sampled_by"] == batch.samples[0].policy_version
     assert set(table.column("extra.old_log_prob_mode").to_pylist()) == {"recompute"}
     if placement == "ray":   # which replica served each trained sample, and with which version
         served = [json.loads(x) for x in (run / "served.jsonl").read_text().splitlines()]

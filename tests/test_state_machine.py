@@ -89,3 +89,34 @@ def test_an_iteration_whose_steps_were_all_skipped_publishes_no_version(tmp_path
     assert sum(e["name"] == "CHECKPOINT_DURABLE" for e in trace) == 2   # checkpoint_every=1
     report = audit_run(tmp_path / "e2e")
     assert report.ok, report.summary()
+
+
+def test_experience_sealed_is_entered_only_once_the_experience_is_durable(tmp_path, tiny_model_dir, monkeypatch):
+    """At EXPERIENCE_SEALED(v) the iteration's file is on disk and rebuilds the sealed batch, and
+    no update is yet recorded as consuming it; when the write fails, the phase is never entered
+    and nothing is trained."""
+    from sealrl.experience.store import iteration_path, read_consumed, read_iteration
+    from sealrl.trainer import prepare, setup
+    from sealrl.trainer.driver import train
+    from tests.test_driver_e2e import small_cfg
+    seen, real_to = [], setup.Run.to
+
+    def to(run, phase, version):
+        if phase is Phase.EXPERIENCE_SEALED:
+            it = len(seen)
+            batch = read_iteration(iteration_path(run.dir / "experience", it))   # raises unless durable
+            seen.append((batch.iteration, batch.samples[0].policy_version == version,
+                         it in read_consumed(run.dir / "experience")[0]))
+        real_to(run, phase, version)
+
+    monkeypatch.setattr(setup.Run, "to", to)
+    train(small_cfg(tmp_path, tiny_model_dir))
+    assert seen == [(0, True, False), (1, True, False)]
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    seen.clear()
+    monkeypatch.setattr(prepare, "write_iteration", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        train(small_cfg(tmp_path / "full", tiny_model_dir))
+    assert seen == [] and not (tmp_path / "full" / "e2e" / "experience" / "consumed.jsonl").exists()

@@ -1,9 +1,18 @@
+import json
+
 import pyarrow.parquet as pq
 import pytest
 import torch
 
 from sealrl.experience import Role, pad_token_rows
-from sealrl.experience.store import read_iteration, read_table, write_iteration
+from sealrl.experience.store import (
+    CONSUMED,
+    append_consumed,
+    read_consumed,
+    read_iteration,
+    read_table,
+    write_iteration,
+)
 from tests.helpers_experience import REF, V0, add_rewards, make_batch
 
 ALL = ("response_mask", "rollout_log_probs", "reward_records")
@@ -38,11 +47,11 @@ def test_round_trip_every_field(tmp_path):
     b.put("scores", torch.tensor([1.0, 0.0, -1.0, 0.5]), Role.DRIVER, "penalty")
     b.put("advantages", rows(1.5), Role.DRIVER, "grpo")
     b.put("zero_variance", torch.tensor([True, False, False, True]), Role.DRIVER, "grpo")
-    path = write_iteration(tmp_path, b, consumed_step=4)
+    path = write_iteration(tmp_path, b)
     back = read_iteration(path)
     _assert_same(b, back)
     table, meta = read_table(path)
-    assert table.column("consumed_step").to_pylist() == [4] * 4
+    assert "consumed_step" not in table.column_names   # an event after the seal: consumed.jsonl
     assert meta["fields"]["ref_log_probs"] == {"producer": "reference", "version": REF.id}
     # errored rewards are stored as a status with no total, never as 0
     assert table.column("reward_status").to_pylist()[0] == "timeout"
@@ -78,3 +87,16 @@ def test_tampered_file_is_detected(tmp_path):
     pq.write_table(table, path)
     with pytest.raises(ValueError, match="changed after sealing"):
         read_iteration(path)
+
+
+def test_consumption_log_round_trip_and_bad_lines(tmp_path):
+    append_consumed(tmp_path, 0, 1, "r@0.0#a", "r@1.0")
+    append_consumed(tmp_path, 1, 2, "r@1.0#b", "r@2.0")
+    with open(tmp_path / CONSUMED, "a") as f:
+        f.write("{not json\n" + json.dumps({"consumed_step": 3}) + "\n")
+    by_iteration, errors = read_consumed(tmp_path)
+    assert by_iteration == {0: [{"iteration": 0, "consumed_step": 1, "sampled_by": "r@0.0#a", "committed": "r@1.0"}],
+                            1: [{"iteration": 1, "consumed_step": 2, "sampled_by": "r@1.0#b", "committed": "r@2.0"}]}
+    assert len(errors) == 2 and errors[0].startswith(f"{CONSUMED} line 3: JSONDecodeError")
+    assert errors[1].startswith(f"{CONSUMED} line 4: KeyError")
+    assert read_consumed(tmp_path / "absent") == ({}, [])

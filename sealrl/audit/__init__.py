@@ -3,7 +3,8 @@ for every trained sample (DESIGN sections 3-4), from the files alone, with no mo
 
     config           config.yaml still hashes to the hash recorded with it (and in run.json)
     seal             every experience file rebuilds a sealed batch whose digest matches
-    used_once        each sample trained once; consumed_step set and increasing across iterations
+    used_once        each sample trained once; each iteration consumed once (consumed.jsonl), by
+                     a step never before the previous iteration's
     groups_complete  groups of exactly rollout.n candidates 0..n-1 of one prompt, ids consistent
     policy_version   one declared version per iteration, of this run, committed just before it;
                      the update took no more optimizer steps than its minibatches

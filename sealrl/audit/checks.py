@@ -4,8 +4,9 @@ Violations. Names are stable (they are what `sealrl audit` prints and what tests
 A check skips files the loader could not read (the seal check reports them) and skips a
 comparison whose reference value is itself broken (a file with two policy versions), which the
 check owning that value reports: one corruption is named by its check, not by all of them. The
-seal covers facts only; consumed_step, extra.* columns and derived fields (scores) are outside
-the digest, and the checks below are what hold them to account.
+seal covers facts only; consumed_step (experience/consumed.jsonl, written after the update),
+extra.* columns and derived fields (scores) are outside the digest, and the checks below are
+what hold them to account.
 """
 from __future__ import annotations
 
@@ -68,6 +69,12 @@ def check_used_once(run: RunFolder) -> Iterator[Violation]:
     check_policy_version holds to publishing nothing)."""
     seen: dict[str, list[int]] = defaultdict(list)
     prev: tuple[int, int] | None = None            # (iteration, consumed_step)
+    for error in run.consumed_errors:
+        yield Violation("used_once", error)
+    files = {f.iteration for f in run.files}
+    for it in sorted(set(run.consumed) - files):
+        yield Violation("used_once", "consumed.jsonl records the consumption of an iteration with no experience file",
+                        it)
     for f in run.readable:
         for sid in f.cols.get("sample_id", ()):
             seen[sid].append(f.iteration)
@@ -77,10 +84,15 @@ def check_used_once(run: RunFolder) -> Iterator[Violation]:
         if f.num_rows == 0:
             yield Violation("used_once", "the iteration file holds no samples", f.iteration)
             continue
+        if len(f.consumed) > 1:
+            yield Violation("used_once", f"consumed {len(f.consumed)} times (steps "
+                            f"{[c.get('consumed_step') for c in f.consumed]} in consumed.jsonl)", f.iteration)
+            continue
         steps = set(f.cols["consumed_step"])
         if None in steps:
-            yield Violation("used_once", "consumed_step is not set: no update is recorded as consuming these samples",
-                            f.iteration)
+            yield Violation("used_once", "consumed_step is not set: no update is recorded as consuming these samples "
+                            "(no line in experience/consumed.jsonl; a run stopped during this iteration's update "
+                            "redoes it on resume=auto)", f.iteration)
             continue
         if len(steps) > 1:
             yield Violation("used_once", f"rows consumed by different steps {sorted(steps)}", f.iteration)

@@ -11,12 +11,13 @@ from pathlib import Path
 import yaml
 
 from sealrl.config import Config, MissingInputError, load_config
-from sealrl.experience.store import read_table
+from sealrl.experience.store import read_consumed, read_table
 
 _ITER_FILE = re.compile(r"iter_(\d+)\.parquet")
-# what every check may index without asking: the store writes them for every sample
+# what every check may index without asking: the store writes them for every sample (and the
+# loader adds `consumed_step` from consumed.jsonl)
 REQUIRED_COLUMNS = ("sample_id", "group_id", "prompt_id", "iteration", "policy_version", "prompt_ids",
-                    "response_ids", "sampling", "consumed_step")
+                    "response_ids", "sampling")
 
 
 @dataclass(slots=True)
@@ -28,6 +29,7 @@ class IterationFile:
     num_rows: int = 0
     error: str = ""                  # why the file could not be read at all
     groups: dict[str, list[int]] = field(default_factory=dict)   # group_id -> row indices
+    consumed: list[dict] = field(default_factory=list)           # its lines of consumed.jsonl
 
     @property
     def readable(self) -> bool:
@@ -50,6 +52,8 @@ class RunFolder:
     files: list[IterationFile]       # sorted by iteration
     ledger: list[dict]
     ledger_errors: list[str]         # missing file, unparseable lines
+    consumed: dict[int, list[dict]] = field(default_factory=dict)   # experience/consumed.jsonl by iteration
+    consumed_errors: list[str] = field(default_factory=list)        # its unparseable lines
 
     def file(self, iteration: int) -> IterationFile | None:
         return next((f for f in self.files if f.iteration == iteration), None)
@@ -76,9 +80,23 @@ def load_run(run_dir: str | Path) -> RunFolder:
     files = [_read_file(p) for p in sorted((path / "experience").glob("iter_*.parquet"))
              if _ITER_FILE.fullmatch(p.name)]
     files.sort(key=lambda f: f.iteration)
+    consumed, consumed_errors = read_consumed(path / "experience")
+    for f in files:
+        _attach_consumption(f, consumed.get(f.iteration, []))
     ledger, errors = _read_ledger(path / "ledger.jsonl")
     meta = json.loads((path / "run.json").read_text()) if (path / "run.json").is_file() else {}
-    return RunFolder(path, cfg, cfg.run.name, hash_line, content_hash, meta, files, ledger, errors)
+    return RunFolder(path, cfg, cfg.run.name, hash_line, content_hash, meta, files, ledger, errors,
+                     consumed, consumed_errors)
+
+
+def _attach_consumption(f: IterationFile, lines: list[dict]) -> None:
+    """`consumed_step` as a column of the file's rows, from its one consumption line (None when
+    there is not exactly one; check_used_once names why). Runs from before consumed.jsonl
+    stored the column in the file itself."""
+    f.consumed = lines
+    if f.readable and "consumed_step" not in f.cols:
+        step = lines[0].get("consumed_step") if len(lines) == 1 else None
+        f.cols["consumed_step"] = [step] * f.num_rows
 
 
 def _read_file(path: Path) -> IterationFile:

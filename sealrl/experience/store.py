@@ -1,10 +1,12 @@
 """Parquet store of sealed experience: one file per iteration, one row per sample.
 
-Each row answers, for one trained response: its ids, prompt and response tokens and text, the
-sampling contract and the policy version that sampled it, the stop reason, every log-prob field
-with its producer and version, the reward record, derived tensors, and the optimizer step that
-consumed it. Field provenance and the seal digest live in the file's schema metadata, and
-`read_iteration` rebuilds an ExperienceBatch whose digest must equal the stored one.
+Each row answers, for one response: its ids, prompt and response tokens and text, the sampling
+contract and the policy version that sampled it, the stop reason, every log-prob field with its
+producer and version, the reward record and the derived tensors. Field provenance and the seal
+digest live in the file's schema metadata, and `read_iteration` rebuilds an ExperienceBatch
+whose digest must equal the stored one. A file is written once, when the batch is sealed and
+before any update reads it; which optimizer step then consumed it is an event of its own, one
+line per iteration in `consumed.jsonl` next to the files (`append_consumed`, `read_consumed`).
 
 Imported on its own (`sealrl.experience.store`) so that `import sealrl.experience` needs no
 pyarrow.
@@ -33,9 +35,8 @@ def iteration_path(folder: str | os.PathLike, iteration: int) -> Path:
     return Path(folder) / f"iter_{iteration:06d}.parquet"
 
 
-def to_table(batch: ExperienceBatch, consumed_step: int | None = None,
-             extra: dict[str, list] | None = None) -> pa.Table:
-    """One row per sample. `consumed_step` is the optimizer step that trained on the batch."""
+def to_table(batch: ExperienceBatch, extra: dict[str, list] | None = None) -> pa.Table:
+    """One row per sample; `extra` columns are stored as `extra.<name>`."""
     if not batch.sealed:
         raise ValueError(f"iteration {batch.iteration}: only sealed experience is stored")
     batch.verify_seal()
@@ -55,7 +56,6 @@ def to_table(batch: ExperienceBatch, consumed_step: int | None = None,
         "data_source": pa.array([x.data_source for x in s], pa.string()),
         "ground_truth": pa.array([x.ground_truth for x in s], pa.string()),
         "sampling": pa.array([batch.contract.to_json()] * len(s), pa.string()),
-        "consumed_step": pa.array([consumed_step] * len(s), pa.int64()),
     }
     # token fields: each row's first len(response) values, as one flat array with row offsets
     mask = batch.token_mask()
@@ -93,17 +93,51 @@ def _reward_columns(records: list[RewardRecord]) -> dict[str, pa.Array]:
     }
 
 
-def write_iteration(folder: str | os.PathLike, batch: ExperienceBatch,
-                    consumed_step: int | None = None, extra: dict[str, list] | None = None) -> Path:
-    """Write atomically: a temporary file, fsync, then rename over the final name."""
+def write_iteration(folder: str | os.PathLike, batch: ExperienceBatch, extra: dict[str, list] | None = None) -> Path:
+    """Write atomically: a temporary file, fsync, then rename over the final name. When this
+    returns, the sealed batch is durable."""
     path = iteration_path(folder, batch.iteration)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".parquet.tmp")
-    pq.write_table(to_table(batch, consumed_step, extra), tmp)
+    pq.write_table(to_table(batch, extra), tmp)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return path
+
+
+CONSUMED = "consumed.jsonl"
+
+
+def append_consumed(folder: str | os.PathLike, iteration: int, consumed_step: int, sampled_by: str,
+                    committed: str) -> None:
+    """Record that the optimizer, at step `consumed_step` (the committed version `committed`),
+    has consumed iteration `iteration`'s sealed batch, which `sampled_by` generated."""
+    line = json.dumps({"iteration": iteration, "consumed_step": consumed_step, "sampled_by": sampled_by,
+                       "committed": committed})
+    with open(Path(folder) / CONSUMED, "a") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_consumed(folder: str | os.PathLike) -> tuple[dict[int, list[dict]], list[str]]:
+    """Consumption lines by iteration (a list: an iteration consumed twice is for the audit to
+    see), and the lines that could not be read, named."""
+    path = Path(folder) / CONSUMED
+    by_iteration: dict[int, list[dict]] = {}
+    errors: list[str] = []
+    if not path.is_file():
+        return by_iteration, errors
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            by_iteration.setdefault(int(row["iteration"]), []).append(row)
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            errors.append(f"{CONSUMED} line {n}: {type(e).__name__}: {e}")
+    return by_iteration, errors
 
 
 def read_table(path: str | os.PathLike) -> tuple[pa.Table, dict]:

@@ -23,7 +23,7 @@ from sealrl.trainer.inputs import check_inputs, write_dropped_rows
 from sealrl.trainer.iteration_metrics import rollout_metrics, share_metrics, stage_io_metrics
 from sealrl.trainer.ledger import new_iteration
 from sealrl.trainer.position import forget_after, restore_position, save_position
-from sealrl.trainer.prepare import build_batch, prepare, seal
+from sealrl.trainer.prepare import advantages, build_batch, prepare, seal
 from sealrl.trainer.record import record
 from sealrl.trainer.setup import Run
 from sealrl.trainer.state import Phase, StageFailed, committed_id
@@ -148,13 +148,14 @@ def run_iteration(run: Run, it: int, version) -> dict:
         raise StageFailed(f"iteration {it}: every group was dropped ({ledger.rows()[0]['reason']})")
     batch = build_batch(run, it, kept, records, prompt_of, texts, version)
     prepare(run, batch, version)
-    seal(batch)
+    metrics.update(advantages(run, batch, it))
+    seal(run, it, batch, ledger, served)       # durable before any update reads it
     run.to(Phase.EXPERIENCE_SEALED, version.id)
-    run.to(Phase.UPDATING_FROM, version.id)  # advantages on the driver, then critic and actor updates
+    run.to(Phase.UPDATING_FROM, version.id)    # critic and actor updates
     metrics.update(update(run, batch, version, it))
     stepped = roles.actor.step != version.step   # False when every optimizer step was skipped
-    run.to(Phase.ACTOR_COMMITTED, f"{cfg.run.name}@{roles.actor.step}.{roles.actor.attempt}" if stepped
-           else committed_id(version.id))
-    metrics.update(record(run, it, batch, ledger, version, served))
+    committed = f"{cfg.run.name}@{roles.actor.step}.{roles.actor.attempt}" if stepped else committed_id(version.id)
+    run.to(Phase.ACTOR_COMMITTED, committed)
+    metrics.update(record(run, it, batch, ledger, version, committed))
     metrics.update({f"time/{k}_s": v for k, v in run.timer.stage_seconds.items()})
     return metrics

@@ -115,7 +115,7 @@ def forget_after(run_dir: Path, iteration: int) -> None:
     """On resume from the checkpoint at `iteration`: drop what later iterations wrote before
     the crash (metrics, ledger and served lines, experience files). They were never committed by a
     checkpoint and the resumed run writes them again."""
-    for name in ("metrics.jsonl", "ledger.jsonl", "served.jsonl"):
+    for name in ("metrics.jsonl", "ledger.jsonl", "served.jsonl", "experience/consumed.jsonl"):
         path = run_dir / name
         if path.is_file():
             keep = [line for line in path.read_text().splitlines()

@@ -1,6 +1,8 @@
-"""From complete, scored groups to sealed experience: the batch's facts (identity, tokens, stop
-reasons, rollout log-probs, reward records), then the teacher-forced fields each from its own
-role (reference log-probs, critic values, old log-probs), then the seal (EXPERIENCE_SEALED)."""
+"""From complete, scored groups to sealed, persisted experience: the batch's facts (identity,
+tokens, stop reasons, rollout log-probs, reward records), then the teacher-forced fields each
+from its own role (reference log-probs, critic values, old log-probs), the advantages derived on
+the driver, then the seal, written to the run folder before the driver enters
+EXPERIENCE_SEALED."""
 from __future__ import annotations
 
 import json
@@ -8,7 +10,10 @@ import json
 import torch
 
 from sealrl.experience import ExperienceBatch, RewardRecord, Role, SampleMeta, pad_token_rows
+from sealrl.experience.store import write_iteration
 from sealrl.rollout.engine import RolloutSample
+from sealrl.trainer.derive import derive
+from sealrl.trainer.ledger import IterationLedger
 
 
 def build_batch(run, it: int, kept: dict[str, list[RolloutSample]], records: dict[str, RewardRecord],
@@ -56,5 +61,32 @@ def prepare(run, batch: ExperienceBatch, version) -> None:
             batch.put("old_log_probs", batch.get("rollout_log_probs").clone(), Role.ROLLOUT, version.id)
 
 
-def seal(batch: ExperienceBatch) -> None:
+def advantages(run, batch: ExperienceBatch, it: int) -> dict:
+    """Token rewards, returns and advantages from the facts (derived fields: outside the seal,
+    recomputable offline by `sealrl recompute`); returns their metrics."""
+    cfg = run.cfg
+    with run.stage("advantage", "driver"):
+        return derive(batch, cfg.algorithm, run.kl_ctl.beta, cfg.rollout.max_new_tokens,
+                      f"{cfg.algorithm.name}@{it}")
+
+
+def seal(run, it: int, batch: ExperienceBatch, ledger: IterationLedger, served: list[dict]) -> None:
+    """Seal the facts and make the iteration durable: its experience file (fsynced), the
+    ledger's outcome of every sampled group and, under Ray placement, which replica served which
+    sample. Only then may an update read the batch; which step consumed it is recorded after."""
     batch.seal(required=("response_mask", "rollout_log_probs", "reward_records", "old_log_probs"))
+    roles, cfg = run.roles, run.cfg
+    backend, dtype = roles.rollout.backend
+    extra = {"old_log_prob_mode": cfg.algorithm.old_log_prob,
+             "reference_version": roles.reference.version.id if roles.reference else "",
+             "rollout_backend": backend, "rollout_dtype": dtype}
+    write_iteration(run.dir / "experience", batch, extra={k: [v] * len(batch) for k, v in extra.items()})
+    append_lines(run.dir / "ledger.jsonl", ledger.rows())
+    append_lines(run.dir / "served.jsonl", [{"iteration": it, **call} for call in served])
+
+
+def append_lines(path, rows: list[dict]) -> None:
+    if rows:
+        with open(path, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ from sealrl import algos
 from sealrl.config import Config, ConfigError, MissingInputError, config_diff, load_config
 from sealrl.experience import ExperienceBatch
 from sealrl.experience.fields import FIELDS, Kind
-from sealrl.experience.store import read_iteration, read_table, write_iteration
+from sealrl.experience.store import CONSUMED, read_iteration, read_table, write_iteration
 from sealrl.trainer.derive import derive
 from sealrl.trainer.iteration_metrics import ref_kl  # the driver's own function: same numbers by construction
 
@@ -74,14 +75,16 @@ def recompute_run(run_dir: str | Path, overrides: list[str], out_name: str | Non
         if new_cfg.algorithm.kl_target > 0:
             kl_ctl.update(ref_kl(batch), len(batch))
         table, _ = read_table(path)
-        consumed = table.column("consumed_step")[0].as_py() if table.num_rows else None
         extra = {n[len("extra."):]: table.column(n).to_pylist() for n in table.column_names
                  if n.startswith("extra.")}
         extra["recompute_tag"] = [tag] * len(batch)
-        write_iteration(out, batch, consumed_step=consumed, extra=extra)
+        write_iteration(out, batch, extra=extra)
         per_iter.append({"iteration": original.iteration, "beta": beta,
                          "beta_logged": logged_beta.get(original.iteration),
                          **_differences(original, batch)})
+    consumed = run_dir / "experience" / CONSUMED   # which step consumed each batch: unchanged
+    if consumed.is_file():
+        shutil.copyfile(consumed, out / CONSUMED)
     summary = {"run_dir": str(run_dir), "tag": tag, "overrides": list(overrides),
                "changed": config_diff(old_cfg.to_dict(), new_cfg.to_dict()),
                "num_iterations": len(files), "max_abs_diff": _max_over(per_iter), "iterations": per_iter}

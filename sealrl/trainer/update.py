@@ -1,20 +1,17 @@
-"""UPDATING_FROM(v): advantages on the driver (derive.py), then the critic and actor updates,
-rolled back and tried again when they fail; then the adaptive KL controller's step."""
+"""UPDATING_FROM(v): the critic and actor updates on the sealed batch (its advantages were
+derived before the seal: prepare.advantages), rolled back and tried again when they fail; then
+the adaptive KL controller's step."""
 from __future__ import annotations
 
 from sealrl.experience import ExperienceBatch
-from sealrl.trainer.derive import derive
 from sealrl.trainer.iteration_metrics import ref_kl
 from sealrl.trainer.state import StageFailed
 
 
 def update(run, batch: ExperienceBatch, version, it: int) -> dict:
     cfg = run.cfg
-    with run.stage("advantage", "driver"):
-        metrics = derive(batch, cfg.algorithm, run.kl_ctl.beta, cfg.rollout.max_new_tokens,
-                         f"{cfg.algorithm.name}@{it}")
     with run.stage("update", "actor"):
-        metrics.update(update_with_rollback(run, batch, version, it))
+        metrics = update_with_rollback(run, batch, version, it)
     metrics["kl/beta"] = run.kl_ctl.beta          # the beta this iteration used (reward or loss)
     if cfg.algorithm.kl_target > 0:
         run.kl_ctl.update(ref_kl(batch), len(batch))
