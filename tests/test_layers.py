@@ -10,7 +10,7 @@ import sealrl
 
 FLOORS = (
     ("config", "experience", "algos", "models", "data", "obs", "faults"),
-    ("rewards", "rollout", "sync"),
+    ("rewards", "rollout", "sync", "envs"),
     ("roles",),
     ("placement",),
     ("trainer",),

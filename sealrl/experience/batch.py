@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
+from sealrl.experience.episode import EpisodeRecord
 from sealrl.experience.fields import FIELDS, Align, FieldSpec, Kind
 from sealrl.experience.ids import PolicyVersion
 from sealrl.experience.records import Role, SamplingContract, StopReason
@@ -235,6 +236,9 @@ def pad_token_rows(rows: Sequence[Sequence[float]], width: int, dtype: torch.dty
 
 def _record_key(record) -> tuple:
     """What the seal digest covers of a per-sample record (a RewardRecord): every field, the
-    components in name order. A plain tuple: repr of the dataclass with its enum costs 8x."""
+    components in name order. A plain tuple: repr of the dataclass with its enum costs 8x.
+    An EpisodeRecord is covered by its canonical JSON."""
+    if isinstance(record, EpisodeRecord):
+        return (record.to_json(),)
     return (record.status.value, record.total, sorted(record.components.items()), record.scorer,
             record.scorer_version, record.message)

@@ -64,6 +64,13 @@ FIELDS: dict[str, FieldSpec] = {s.name: s for s in (
           "shaped per-token rewards (score at the last token, minus KL in reward)"),
     _spec("advantages", torch.float32, "token", [R.DRIVER], "derived", "per-token advantages"),
     _spec("returns", torch.float32, "token", [R.DRIVER], "derived", "critic targets"),
+    # multi-turn episodes (sealrl/experience/episode.py); absent from single-turn batches
+    _spec("observation_mask", torch.bool, "token", [R.ROLLOUT], "fact",
+          "1 on observation tokens (environment / tool output): holes, never trained"),
+    _spec("step_rewards", torch.float32, "token", [R.ROLLOUT], "fact",
+          "environment step rewards, each on the last policy token of its turn"),
+    _spec("episodes", None, "sample", [R.ROLLOUT], "fact",
+          "EpisodeRecord per sample: turns (sampled ids, stop reason, version, observation, status)"),
     _spec("zero_variance", torch.bool, "sample", [R.DRIVER], "derived",
           "sample belongs to a group whose scores have zero variance (advantage 0)"),
 )}

@@ -34,6 +34,7 @@ class StopReason(str, enum.Enum):
     LENGTH = "length"
     TOOL = "tool"
     ERROR = "error"
+    MAX_TURNS = "max_turns"   # an episode cut by its turn budget (sealrl/rollout/episodes.py)
 
     @property
     def terminated(self) -> bool:
@@ -41,7 +42,7 @@ class StopReason(str, enum.Enum):
 
     @property
     def truncated(self) -> bool:
-        return self is StopReason.LENGTH
+        return self in (StopReason.LENGTH, StopReason.MAX_TURNS)
 
 
 class RewardStatus(str, enum.Enum):

@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 import torch
 
 from sealrl.experience.batch import ExperienceBatch, SampleMeta, Versioned, pad_token_rows
+from sealrl.experience.episode import EpisodeRecord
 from sealrl.experience.fields import FIELDS, Align
 from sealrl.experience.ids import PolicyVersion
 from sealrl.experience.records import RewardRecord, Role, SamplingContract, StopReason
@@ -64,6 +65,8 @@ def to_table(batch: ExperienceBatch, extra: dict[str, list] | None = None) -> pa
         spec, value = FIELDS[name], batch.get(name)
         if name == "reward_records":
             cols.update(_reward_columns(value))
+        elif name == "episodes":
+            cols[name] = pa.array([e.to_json() for e in value], pa.string())
         elif spec.align is Align.TOKEN:
             flat = pa.array(value.detach().cpu()[mask].numpy(), _TORCH_TO_ARROW[spec.dtype])
             cols[name] = pa.ListArray.from_arrays(offsets, flat)
@@ -171,6 +174,8 @@ def read_iteration(path: str | os.PathLike) -> ExperienceBatch:
                                   components=json.loads(c["reward_components"][i]),
                                   scorer=c["reward_scorer"][i], scorer_version=c["reward_scorer_version"][i],
                                   message=c["reward_message"][i]) for i in range(table.num_rows)]
+        elif name == "episodes":
+            value = [EpisodeRecord.from_json(t) for t in c[name]]
         elif spec.align is Align.TOKEN:
             value = pad_token_rows(c[name], batch.num_response_tokens, spec.dtype)
         else:

@@ -10,12 +10,15 @@ import torch
 
 from sealrl.experience import PolicyVersion, SamplingContract
 from sealrl.rollout.engine import GenerationRequest, RolloutEngine, RolloutSample
+from sealrl.rollout.episodes import EpisodeRunner, EpisodeSpec
 from sealrl.sync.manifest import WeightManifest
 
 
 class Rollout:
-    def __init__(self, model, tokenizer, device: str = "cpu"):
+    def __init__(self, model, tokenizer, device: str = "cpu", episodes: EpisodeSpec | None = None):
+        """`episodes`: multi-turn rollouts against that environment (rollout/episodes.py)."""
         self.engine = RolloutEngine(model, tokenizer, device=device)
+        self.episodes = None if episodes is None else EpisodeRunner(episodes, tokenizer)
 
     @property
     def version(self) -> PolicyVersion | None:
@@ -48,6 +51,8 @@ class Rollout:
     def generate(self, requests: list[GenerationRequest], contract: SamplingContract,
                  version: PolicyVersion) -> list[RolloutSample]:
         """GENERATING(v): refuses any version other than the active one."""
+        if self.episodes is not None:
+            return self.episodes.generate(self.engine.generate, requests, contract, version)
         return self.engine.generate(requests, contract, version)
 
     def take_recoveries(self) -> list[float]:

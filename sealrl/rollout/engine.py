@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from sealrl.experience.episode import EpisodeRecord
 from sealrl.experience.ids import PolicyVersion, sample_id
 from sealrl.experience.records import SamplingContract, StopReason
 from sealrl.models.hf import check_same_tokenizer, model_config_hash, tokenizer_hash
@@ -50,6 +51,7 @@ class GenerationRequest:
     prompt_ids: tuple[int, ...]
     seed: int                     # per-request seed
     candidates: tuple[int, ...]   # which candidates of the group to sample
+    env_input: str = ""           # multi-turn: JSON of the row an environment starts from (episodes.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
@@ -81,6 +83,7 @@ class RolloutSample:
     # stopped at (eos, stop or length). A measurement, not a fact: no part of equality, of
     # the sealed record or of any digest.
     finish_s: float = field(default=0.0, compare=False)
+    episode: EpisodeRecord | None = None          # multi-turn: the turns (rollout/episodes.py)
 
 
 class VersionNotHeldError(RuntimeError):

@@ -7,6 +7,7 @@ unexpected deliveries are refused and counted. Every outcome is counted and writ
 `ledger.jsonl`."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 
 from sealrl.experience import Join, RewardRecord, RewardStatus, StopReason, digest, group_id
@@ -66,7 +67,7 @@ class IterationLedger:
         self.rollout.ask([(g, c) for g, cands in missing.items() for c in cands], self.attempt)
         for g, cands in missing.items():
             self.groups[g].regenerated += len(cands)
-        return [GenerationRequest(g, requests[g].prompt_ids, requests[g].seed, cands) for g, cands in missing.items()]
+        return [dataclasses.replace(requests[g], candidates=cands) for g, cands in missing.items()]
 
     def complete_groups(self, requests: dict[str, GenerationRequest]) -> dict[str, list[RolloutSample]]:
         """Close the join: the groups with every candidate; the others are dropped, recorded."""

@@ -1,0 +1,53 @@
+"""Choosing an environment by config: a built-in name, `package.module:Class` or
+`path/to/file.py:Class`. Errors name the key and the value."""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+from pathlib import Path
+
+from sealrl.envs.calc import CalcEnv
+from sealrl.envs.guess import GuessEnv
+
+BUILTIN = {"calc": CalcEnv, "guess": GuessEnv}
+
+
+class EnvLoadError(ValueError):
+    """env.name names nothing loadable."""
+
+
+def env_class(name: str) -> type:
+    if name in BUILTIN:
+        return BUILTIN[name]
+    if ":" not in name:
+        raise EnvLoadError(f"env.name={name!r}: not a built-in ({', '.join(sorted(BUILTIN))}) "
+                           "and not module:Class or file.py:Class")
+    where, cls_name = name.rsplit(":", 1)
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise EnvLoadError(f"env.name={name!r}: no file {path}")
+        spec = importlib.util.spec_from_file_location(f"sealrl_env_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as e:
+            raise EnvLoadError(f"env.name={name!r}: cannot import {where}: {e}") from None
+    cls = getattr(module, cls_name, None)
+    if cls is None:
+        raise EnvLoadError(f"env.name={name!r}: {where} has no {cls_name}")
+    return cls
+
+
+def make_env(name: str, tool_timeout_s: float = 2.0):
+    """A fresh environment; `tool_timeout_s` reaches classes whose constructor takes `timeout_s`."""
+    cls = env_class(name)
+    params = inspect.signature(cls).parameters
+    env = cls(timeout_s=tool_timeout_s) if "timeout_s" in params else cls()
+    for attr in ("name", "version", "stops", "reset", "step", "close"):
+        if not hasattr(env, attr):
+            raise EnvLoadError(f"env.name={name!r}: {cls.__name__} lacks {attr!r} (see sealrl/envs/base.py)")
+    return env
