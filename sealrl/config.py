@@ -18,6 +18,7 @@ from typing import Any, get_type_hints
 import yaml
 
 EMBEDDED_MODEL = str(Path(__file__).resolve().parent / "assets" / "arith-tiny")
+TASK_NAMES = ("arith", "countdown", "mul3", "guess", "file")   # mul3: the tool task; guess: the guessing game
 
 
 class UserError(Exception):
@@ -103,7 +104,7 @@ class ModelConfig:
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
-    task: str = "arith"                    # arith | countdown | file (train_file/eval_file in verl layout)
+    task: str = "arith"                    # arith | countdown | mul3 | guess | file (train_file/eval_file, verl layout)
     train_file: str = ""                   # Parquet or JSONL in the verl layout (task=file)
     eval_file: str = ""                    # held-out Parquet or JSONL (task=file)
     num_train: int = 4000                  # synthetic training prompts
@@ -114,7 +115,7 @@ class DataConfig:
     use_chat_template: bool = True         # apply the tokenizer's chat template to `prompt`
 
     def __post_init__(self):
-        _check(self.task in ("arith", "countdown", "file"), "data.task", "arith, countdown or file", self.task)
+        _check(self.task in TASK_NAMES, "data.task", " | ".join(TASK_NAMES), self.task)
         _check(self.prompts_per_iter >= 1, "data.prompts_per_iter", ">= 1", self.prompts_per_iter)
         _check(self.on_bad_row in ("error", "drop"), "data.on_bad_row", "error or drop", self.on_bad_row)
         if self.task == "file":
@@ -286,6 +287,18 @@ class PlacementConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class EnvConfig:   # multi-turn episodes (sealrl/rollout/episodes.py); name=none: single-turn
+    name: str = "none"                     # none | calc | guess | package.module:Class | file.py:Class
+    max_turns: int = 4                     # policy turns per episode (then stop reason max_turns)
+    max_tokens: int = 96                   # response tokens per episode, policy + observation (then length)
+    max_observation_tokens: int = 32       # an observation is cut to this and marked in its turn
+    tool_timeout_s: float = 2.0            # deadline of one tool call (then status timeout)
+    def __post_init__(self):
+        for key, lo in (("max_turns", 1), ("max_tokens", 1), ("max_observation_tokens", 0), ("tool_timeout_s", 0.001)):
+            _check(getattr(self, key) >= lo, f"env.{key}", f">= {lo}", getattr(self, key))
+
+
+@dataclass(kw_only=True, slots=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -297,6 +310,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     def to_dict(self) -> dict:
         return {f.name: {g.name: _plain(getattr(getattr(self, f.name), g.name))

@@ -47,7 +47,7 @@ def test_tool_failures_are_named_statuses_and_nothing_hangs():
                   timeout_s=0.5, max_output_chars=10)
     try:
         ok = env.step(None, "<echo>abc</echo>")
-        assert (ok.status, ok.observation, ok.done, ok.reward, ok.tool) == (EnvStatus.OK, "<out>cba</out>", False, None, "echo")
+        assert (ok.status, ok.observation, ok.done, ok.reward) == (EnvStatus.OK, "<out>cba</out>", False, None)
         boom = env.step(None, "<boom>1</boom>")
         assert boom.status is EnvStatus.ERROR and "tool broke" in boom.message and boom.reward is None
         t0 = time.monotonic()

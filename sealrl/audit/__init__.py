@@ -13,6 +13,8 @@ for every trained sample (DESIGN sections 3-4), from the files alone, with no mo
     rewards          errors carry no total and are never a score (except the explicit penalty)
     ledger           every prompt the (replayed) sampler passed was trained or dropped with a
                      reason, never both; no prompt twice in an epoch
+    episodes         multi-turn: trained ids == sampled turns + observations; no observation
+                     token trained (mask, advantages); per-turn versions, step rewards
 
     .venv/bin/sealrl audit runs/arith_grpo          # exit status 1 on any violation
 
@@ -28,7 +30,7 @@ from sealrl.audit.report import AuditReport, Violation
 __all__ = ["AuditReport", "Violation", "audit_run", "add_parser", "CHECK_NAMES"]
 
 CHECK_NAMES = ("config", "seal", "used_once", "groups_complete", "policy_version", "masks",
-               "provenance", "rewards", "ledger")
+               "provenance", "rewards", "ledger", "episodes")
 
 
 def audit_run(run_dir: str | Path, checks: tuple[str, ...] = CHECK_NAMES) -> AuditReport:

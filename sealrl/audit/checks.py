@@ -15,6 +15,7 @@ import math
 from collections import defaultdict
 from typing import Callable, Iterator
 
+from sealrl.audit.episodes import check_episodes
 from sealrl.audit.folder import IterationFile, RunFolder
 from sealrl.audit.report import Violation
 from sealrl.experience.fields import FIELDS, Align
@@ -415,4 +416,5 @@ CHECKS: dict[str, Check] = {
     "provenance": check_provenance,
     "rewards": check_rewards,
     "ledger": check_ledger,
+    "episodes": check_episodes,
 }

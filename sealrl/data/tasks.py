@@ -189,9 +189,31 @@ def countdown_rows(split: str, num: int, seed: int, min_numbers: int = 3, max_nu
     return rows
 
 
+# ----------------------------------------------------------------------------- multi-turn tasks
+
+def mul3_rows(split: str, num: int, seed: int, test_fraction: float = 0.1) -> list[dict]:
+    """The tool task: 3-digit products, "123*456=" -> "56088" (plain digits, no padding),
+    beyond the embedded model alone; with the calculator (env.name=calc) a policy that calls
+    `<calc>123*456</calc>` and copies the answer solves it."""
+    return arith_rows(split, num, seed, digits=3, ops="*", num_operands=2, pad_operands=True,
+                      reverse_answer=False, pad_answer=False, test_fraction=test_fraction)
+
+
+def guess_rows(split: str, num: int, seed: int, high: int = 99, test_fraction: float = 0.1) -> list[dict]:
+    """The guessing game (env.name=guess): "guess 0-99:", the ground truth is the secret.
+    Problems are (secret, round) pairs, so the splits hold many rows of the same 100 secrets."""
+    def draw(rng: random.Random) -> tuple[str, Any]:
+        secret, rnd = _rand_int(rng, 0, high), _rand_int(rng, 0, 999)
+        return f"{secret}@{rnd}", secret
+
+    return [_row("guess", i, split, f"guess 0-{high}:", str(secret), canonical, dict(high=high), {})
+            for i, (canonical, secret) in enumerate(_distinct("guess", split, num, seed, test_fraction, draw))]
+
+
 # ----------------------------------------------------------------------------- entry point
 
-TASKS: dict[str, Callable[..., list[dict]]] = {"arith": arith_rows, "countdown": countdown_rows}
+TASKS: dict[str, Callable[..., list[dict]]] = {"arith": arith_rows, "countdown": countdown_rows,
+                                               "mul3": mul3_rows, "guess": guess_rows}
 
 
 def make_task(name: str, split: str = "train", num: int = 1000, seed: int = 0, **opts) -> list[dict]:

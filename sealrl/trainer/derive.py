@@ -45,6 +45,9 @@ def derive(batch: ExperienceBatch, algo: AlgorithmConfig, beta: float, max_new_t
                               algo.kl_estimator.rstrip("+")).masked_fill(~mask, 0.0)
     token_rewards = algos.shaped_token_rewards(scores, kl, mask, beta if algo.kl_in == "reward" else 0.0)
     seq_scores = scores - (beta * (kl * mask).sum(-1) if algo.kl_in == "reward" else 0.0)
+    if batch.has("step_rewards"):   # multi-turn: a step reward sits on the last token of its turn
+        step = batch.get("step_rewards", producer=Role.ROLLOUT)
+        token_rewards, seq_scores = token_rewards + step, seq_scores + step.sum(-1)
     gidx = group_index(batch.group_ids)
     zero_var = torch.zeros(len(batch), dtype=torch.bool)
     returns = None

@@ -18,6 +18,7 @@ from sealrl.obs.metrics import MetricsLogger
 from sealrl.obs.progress import Progress
 from sealrl.trainer import drills, setup
 from sealrl.trainer.collect import generate, score
+from sealrl.trainer.episodes import episode_metrics, with_env_inputs
 from sealrl.trainer.evaluate import evaluate
 from sealrl.trainer.inputs import check_inputs, write_dropped_rows
 from sealrl.trainer.iteration_metrics import rollout_metrics, share_metrics, stage_io_metrics
@@ -130,6 +131,7 @@ def run_iteration(run: Run, it: int, version) -> dict:
     ledger, requests = new_iteration(it, cfg.rollout.n, cfg.rollout.max_retries, cfg.run.name, cfg.run.seed,
                                      [(p.prompt_id, p.token_ids) for p in prompts])
     prompt_of = {g: p for g, p in zip(requests, prompts)}.__getitem__
+    requests = with_env_inputs(requests, prompt_of)   # the rows environments start from (multi-turn)
     run.to(Phase.GENERATING, version.id)   # every sample comes from the active version v, and only from it
     roles.rollout.take_served()   # forget who served the evaluation's calls
     with run.stage("generate", "rollout"):
@@ -143,7 +145,8 @@ def run_iteration(run: Run, it: int, version) -> dict:
         records, kept = score(run, ledger, groups, items)
     ledger.commit(list(kept))
     metrics = {**ledger.counts(), **rollout_metrics(groups, records, run.timer.stage_seconds["generate"]),
-               **stage_io_metrics(run.timer.stage_spans, groups, roles.rollout.take_recoveries())}
+               **stage_io_metrics(run.timer.stage_spans, groups, roles.rollout.take_recoveries()),
+               **episode_metrics([s for ss in groups.values() for s in ss])}
     if not kept:
         raise StageFailed(f"iteration {it}: every group was dropped ({ledger.rows()[0]['reason']})")
     batch = build_batch(run, it, kept, records, prompt_of, texts, version)

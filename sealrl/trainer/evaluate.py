@@ -10,6 +10,7 @@ from sealrl.rewards.base import RewardSample
 from sealrl.rewards.pool import RewardPool
 from sealrl.roles.rollout import Rollout
 from sealrl.rollout.engine import GenerationRequest
+from sealrl.rollout.episodes import env_input
 from sealrl.trainer.ledger import request_seed
 
 
@@ -37,7 +38,7 @@ def _solved(rollout, version, items, contract, n, scorer, tokenizer, seed, batch
     for start in range(0, len(items), batch_size):
         chunk = items[start:start + batch_size]
         reqs = [GenerationRequest(group_id("eval", 0, p.prompt_id), tuple(p.token_ids),
-                                  request_seed(seed, -1, p.prompt_id), tuple(range(n))) for p in chunk]
+                                  request_seed(seed, -1, p.prompt_id), tuple(range(n)), env_input(p)) for p in chunk]
         samples = rollout.generate(reqs, contract, version)
         by_group = {}
         for s in samples:

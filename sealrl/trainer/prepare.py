@@ -13,6 +13,7 @@ from sealrl.experience import ExperienceBatch, RewardRecord, Role, SampleMeta, p
 from sealrl.experience.store import write_iteration
 from sealrl.rollout.engine import RolloutSample
 from sealrl.trainer.derive import derive
+from sealrl.trainer.episodes import action_masks, put_episode_facts
 from sealrl.trainer.ledger import IterationLedger
 
 
@@ -31,8 +32,8 @@ def build_batch(run, it: int, kept: dict[str, list[RolloutSample]], records: dic
     contract = run.contract
     batch = ExperienceBatch(run.cfg.run.name, it, metas, contract, [version])
     width = batch.num_response_tokens
-    batch.put("response_mask", pad_token_rows([[1] * len(s.response_ids) for s in samples], width, torch.bool),
-              Role.ROLLOUT, version.id)
+    batch.put("response_mask", pad_token_rows(action_masks(samples), width, torch.bool), Role.ROLLOUT, version.id)
+    put_episode_facts(batch, samples, version.id)   # multi-turn only: observation holes, step rewards, turns
     batch.put("rollout_log_probs", pad_token_rows([s.rollout_log_probs for s in samples], width, torch.float32),
               Role.ROLLOUT, version.id)
     if contract.filtered:

@@ -140,8 +140,10 @@ def build_sampler(cfg: Config, data: Data) -> PromptSampler:
 
 def build_reward_fn(cfg: Config):
     """reward.fn=auto picks the verifier of the task (math-verify for dataset files)."""
+    from sealrl.envs.verifiers import GuessVerifier, ToolAnswerMatch
     from sealrl.rewards.verifiers import ArithmeticExactMatch, CountdownVerifier, MathVerifier
-    table = {"arith": ArithmeticExactMatch, "countdown": CountdownVerifier, "math": MathVerifier}
+    table = {"arith": ArithmeticExactMatch, "countdown": CountdownVerifier, "math": MathVerifier,
+             "mul3": ToolAnswerMatch, "guess": GuessVerifier}
     name = cfg.reward.fn if cfg.reward.fn != "auto" else {"file": "math"}.get(cfg.data.task, cfg.data.task)
     return table[name]()
 
@@ -196,8 +198,11 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
     shared = shared_pool(cfg, closers)  # colocated actor ranks and rollout replicas, or None
     if cfg.placement.actor_ranks > 1:
         actor = data_parallel_role(cfg, "actor", make_actor, actor, closers, shared)
-    rollout = Rollout(model, tokenizer) if cfg.placement.backend == "local" else \
-        ray_rollout_pool(cfg, model, tokenizer, closers, shared)
+    episodes = episode_spec(cfg)
+    rollout = Rollout(model, tokenizer, episodes=episodes) if cfg.placement.backend == "local" else \
+        ray_rollout_pool(cfg, model, tokenizer, closers, shared, episodes)
+    if episodes is not None and cfg.placement.backend == "local":   # the local role's tool worker
+        closers.append(rollout.episodes.close)
     reference = None
     if cfg.algorithm.kl_coef > 0:  # no reference model is loaded when the KL coefficient is 0
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
@@ -259,7 +264,22 @@ def rollout_pool_spec(p):
                                      "num_cpus_per_worker": p.cpus_per_replica}})["rollout"]
 
 
-def ray_rollout_pool(cfg: Config, model, tokenizer, closers: list, shared=None):
+def episode_spec(cfg: Config):
+    """env.name != none: multi-turn episodes against that environment (rollout/episodes.py)."""
+    from sealrl.envs import EnvLoadError
+    from sealrl.envs.load import env_class
+    from sealrl.rollout.episodes import EpisodeSpec
+    e = cfg.env
+    if e.name != "none":
+        try:
+            env_class(e.name)
+        except EnvLoadError as err:
+            raise ConfigError(str(err), "env.name") from None
+    return None if e.name == "none" else EpisodeSpec(e.name, e.max_turns, e.max_tokens, e.max_observation_tokens,
+                                                     e.tool_timeout_s)
+
+
+def ray_rollout_pool(cfg: Config, model, tokenizer, closers: list, shared=None, episodes=None):
     """placement.backend=ray: `rollout_replicas` RolloutWorkers as Ray actors (standalone or
     colocated: rollout_pool_spec) behind a RolloutPool with the rollout role's interface, so
     the driver loop does not change. Weights reach them only through the two-phase,
@@ -276,7 +296,7 @@ def ray_rollout_pool(cfg: Config, model, tokenizer, closers: list, shared=None):
         pool = RayPool(spec, timeout_s=p.timeout_s)
         closers.append(pool.close)
     threads = max(1, int(p.cpus_per_replica / len(spec.roles)))
-    group = RayWorkerGroup("rollout", functools.partial(Rollout, model, tokenizer), pool,
+    group = RayWorkerGroup("rollout", functools.partial(Rollout, model, tokenizer, episodes=episodes), pool,
                            timeout_s=p.timeout_s, threads=threads)
     rollout = RolloutPool(group, timeout_s=p.timeout_s)
     closers.append(rollout.close)
