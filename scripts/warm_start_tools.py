@@ -14,7 +14,7 @@ Held-out evaluation runs the real multi-turn rollout (sealrl.rollout.episodes wi
 environment) greedily on 200 test-split problems, and reports the share of episodes that
 called the tool and the accuracy of those that did.
 
-Run (about 4 minutes on 2 shared CPU cores):
+Run (12 minutes on 2 heavily shared CPU cores, 1 thread):
     .venv/bin/python scripts/warm_start_tools.py --out sealrl/assets/arith-tools
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ from sealrl.rollout.episodes import EpisodeSpec  # noqa: E402
 from sealrl.sync.manifest import build_manifest  # noqa: E402
 from sealrl.trainer.evaluate import evaluate  # noqa: E402
 
-SPEC = EpisodeSpec("calc", max_turns=2, max_tokens=64, max_observation_tokens=16)
+SPEC = EpisodeSpec("calc", max_turns=2, max_tokens=64, max_observation_tokens=24)
 MAX_NEW_TOKENS = 24   # per turn, as examples/arith_tools.yaml
 
 
@@ -52,9 +52,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sft-num", type=int, default=2000)
-    p.add_argument("--p-tool", type=float, default=0.15)
-    p.add_argument("--steps", type=int, default=1200)
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--p-tool", type=float, default=0.2)
+    p.add_argument("--steps", type=int, default=900)
+    p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--eval-every", type=int, default=300)
     p.add_argument("--eval-num", type=int, default=200)

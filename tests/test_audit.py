@@ -378,7 +378,7 @@ def _cli(*argv) -> int:
 def test_cli_exit_status_and_summary(run, capsys):
     assert _cli("audit", str(run)) == 0
     out = capsys.readouterr().out
-    assert "3 iterations, 48 samples, 12 groups, 12 ledger rows" in out and "all 9 checks passed" in out
+    assert "3 iterations, 48 samples, 12 groups, 12 ledger rows" in out and "all 10 checks passed" in out
     _write_ledger(run, _ledger(run)[1:])
     assert _cli("audit", str(run)) == 1
     out = capsys.readouterr().out

@@ -35,6 +35,7 @@ def echo(args: str) -> str:
 
 def test_calculator_exact_and_refuses_code():
     assert calculator("123*456") == "56088"          # 123*456 = 56088
+    assert calculator("013*900") == "11700" and calculator("000*5") == "0"   # zero-padded operands
     assert calculator(" (7-2)*3 ") == "15"
     assert calculator("7/2") == "7/2" and calculator("8/2") == "4"
     for bad in ("__import__('os')", "2**999", "x", "1/0", "9" * 65):

@@ -12,6 +12,7 @@ from sealrl.audit import audit_run
 from sealrl.config import build_config
 from sealrl.envs.base import EnvStep
 from sealrl.experience.episode import EnvStatus
+from sealrl.obs.report import write_report
 from sealrl.trainer.driver import train
 
 
@@ -51,6 +52,8 @@ def test_multi_turn_run_passes_the_audit_and_an_edited_one_fails(tmp_path, tiny_
     assert any(t["obs_truncated"] for e in episodes for t in e["turns"])   # "=x;" cut to 2 tokens
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["episode/turns_mean"] > 1 and metrics[-1]["episode/observation_tokens"] > 0
+    html = write_report(run).read_text()     # the conversation table, decoded with the run's tokenizer
+    assert "Episodes (last iteration)" in html and "=x" in html and "[truncated]" in html
     # edit: train the first observation token of a multi-turn row
     rows = table.to_pylist()
     i = next(k for k, e in enumerate(episodes) if len(e["turns"]) > 1)

@@ -3,13 +3,14 @@
 `calculator("123*456")` -> "56088": integers, + - * / and parentheses, evaluated over exact
 fractions by walking Python's parsed syntax tree (ast.parse never executes anything; any node
 other than those operators and integer literals is refused). Division gives an integer when
-exact, else "p/q". Expressions longer than 64 characters and results with more than 64 digits
+exact, else "p/q"; leading zeros are read as decimal ("013" is 13). Expressions longer than 64 characters and results with more than 64 digits
 are refused, so a call cannot ask for unbounded work.
 """
 from __future__ import annotations
 
 import ast
 import operator
+import re
 from fractions import Fraction
 
 from sealrl.envs.tools import ToolEnv
@@ -37,6 +38,7 @@ def calculator(expression: str) -> str:
     text = expression.strip()
     if not text or len(text) > 64:
         raise ValueError(f"expression of {len(text)} characters (1..64 allowed)")
+    text = re.sub(r"(?<![\d.])0+(?=\d)", "", text)   # "013" is 13 (Python refuses leading zeros)
     value = _value(ast.parse(text, mode="eval").body)
     return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
 

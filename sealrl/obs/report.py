@@ -17,6 +17,7 @@ from html import escape
 from pathlib import Path
 
 from sealrl.config import MissingInputError
+from sealrl.obs.episodes_report import conversation_table
 from sealrl.obs.metrics import read_metrics
 from sealrl.obs.svg import PALETTE, Series, as_float, line_chart, stacked_bars
 from sealrl.obs.timeline import mean_stage_shares, stage_breakdown
@@ -195,6 +196,7 @@ def render(run_dir: Path) -> str:
         "<h2>Training curves</h2>", '<div class="charts">', *charts(rows, summary), "</div>",
         "<h2>Stage time</h2>", _share_table(rows),
         "<h2>Sample responses (last iteration)</h2>", _sample_table(exp_path, exp_rows),
+        conversation_table(run_dir, exp_path),   # multi-turn runs only
         "</body></html>", ""])
 
 
