@@ -3,8 +3,9 @@
 `calculator("123*456")` -> "56088": integers, + - * / and parentheses, evaluated over exact
 fractions by walking Python's parsed syntax tree (ast.parse never executes anything; any node
 other than those operators and integer literals is refused). Division gives an integer when
-exact, else "p/q"; leading zeros are read as decimal ("013" is 13). Expressions longer than 64 characters and results with more than 64 digits
-are refused, so a call cannot ask for unbounded work.
+exact, else "p/q"; leading zeros are read as decimal ("013" is 13). Expressions longer than
+64 characters and results with more than 64 digits are refused, so a call cannot ask for
+unbounded work.
 """
 from __future__ import annotations
 

@@ -40,7 +40,8 @@ def conversation_table(run_dir: Path, path: Path | None) -> str:
                          f'<td class="text" style="background:#e8f5e9">{escape(decode(t["ids"]))}</td>'
                          f"<td>{escape(t['stop_reason'])}</td>"
                          f'<td class="text" style="background:#f4f4f4">{escape(obs)}</td>'
-                         f"<td>{escape(status)}</td><td>{escape(reward) if k == len(ep['turns']) - 1 else ''}</td></tr>")
+                         f"<td>{escape(status)}</td><td>{escape(reward) if k == len(ep['turns']) - 1 else ''}"
+                         "</td></tr>")
     return ("<h2>Episodes (last iteration)</h2>"
             f'<p class="note">{min(len(multi), NUM_EPISODES)} episodes of {escape(path.name)}; green: policy tokens '
             "(response_mask 1, trained), grey: observation tokens (holes: no loss, KL or entropy).</p>"
