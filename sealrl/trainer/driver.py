@@ -139,7 +139,8 @@ def run_iteration(run: Run, it: int, version) -> dict:
         texts = {s.sample_id: roles.tokenizer.decode(list(s.response_ids), skip_special_tokens=True)
                  for ss in groups.values() for s in ss}   # decoded once, for the reward and the record
         items = {s.sample_id: (s, prompt_of(g).text, texts[s.sample_id], prompt_of(g).ground_truth,
-                               prompt_of(g).data_source) for g, ss in groups.items() for s in ss}
+                               prompt_of(g).data_source, prompt_of(g).extra_info)
+                 for g, ss in groups.items() for s in ss}
         records, kept = score(run, ledger, groups, items)
     ledger.commit(list(kept))
     metrics = {**ledger.counts(), **rollout_metrics(groups, records, run.timer.stage_seconds["generate"]),

@@ -48,7 +48,7 @@ def _solved(rollout, version, items, contract, n, scorer, tokenizer, seed, batch
                 rs.append(RewardSample(sample_id=s.sample_id, prompt=p.text,
                                        response=tokenizer.decode(list(s.response_ids), skip_special_tokens=True),
                                        response_ids=tuple(s.response_ids), ground_truth=p.ground_truth,
-                                       data_source=p.data_source, metadata={}))
+                                       data_source=p.data_source, metadata=p.extra_info))
         records = dict(zip([r.sample_id for r in rs], scorer.score(rs)))
         for req in reqs:
             results.append([records[s.sample_id].ok and records[s.sample_id].total > 0
