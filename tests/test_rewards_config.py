@@ -321,3 +321,28 @@ def test_code_execution_routed_by_data_source(tmp_path, monkeypatch):
     # '601' runs; '020' is a SyntaxError (a decimal literal with a leading zero): both occur
     assert {r["reward_total"] for r in rows if r["data_source"] == "code"} == {0.0, 1.0}
     _audit_ok(run)
+
+
+def test_cli_names_a_missing_function_in_one_line(tmp_path):
+    (tmp_path / "reward.py").write_text(VERL_REWARD)
+    yaml_path = _write_yaml(tmp_path, {"fn": "reward.py:compute"})
+    out = subprocess.run([sys.executable, "-m", "sealrl.cli", "train", str(yaml_path)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip() == (f"sealrl: error: reward.fn='reward.py:compute': {(tmp_path / 'reward.py').resolve()}"
+                                  " has no function 'compute' (functions there: compute_score)")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_an_edited_reward_file_refuses_a_resume(tmp_path, monkeypatch):
+    from sealrl.trainer.checkpoint import CheckpointError
+    from sealrl.trainer.driver import train
+    (tmp_path / "reward.py").write_text(VERL_REWARD)
+    monkeypatch.chdir(tmp_path)
+    yaml_path = _write_yaml(tmp_path, {"fn": "reward.py:compute_score"})
+    train(load_config(str(yaml_path), ["run.iterations=1"]))
+    (tmp_path / "reward.py").write_text(VERL_REWARD.replace("ground_truth)", "ground_truth).lower()"))
+    with pytest.raises(CheckpointError, match=r"reward_fn.version: '\w{12}' -> '\w{12}'"):
+        train(load_config(str(yaml_path), ["run.resume=auto"]))

@@ -47,8 +47,9 @@ def is_file_spec(target: str) -> bool:
 
 
 def _import_file(path: Path) -> Any:
-    """The module of a .py file, loaded once per process under a name derived from its path."""
-    name = "sealrl_user_reward_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
+    """The module of a .py file, loaded once per process and file content (an edited file loads
+    anew) under a name derived from its path and bytes."""
+    name = "sealrl_user_reward_" + hashlib.sha256(f"{path}:{_file_hash(str(path))}".encode()).hexdigest()[:12]
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
