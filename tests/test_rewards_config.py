@@ -223,6 +223,18 @@ def test_weighted_custom_function_and_format_reward(tmp_path, monkeypatch):
     # responses are reversed sums: a trailing 0 says the sum is below 100; both outcomes occur
     assert {r["components"]["below_100"] for r in rows} == {0.0, 1.0}
     _audit_ok(run)
+    # a component edited after the run no longer sums to the total: the audit names it
+    from sealrl.audit import audit_run
+    from tests.test_audit import _iter, _rewrite
+
+    def edit(cols):
+        parts = json.loads(cols["reward_components"][0])
+        parts["below_100"] += 1.0
+        cols["reward_components"][0] = json.dumps(parts, sort_keys=True)
+    _rewrite(_iter(run, 1), edit)
+    report = audit_run(run)
+    weighted = [v for v in report.violations if "weighted sum" in v.message]
+    assert [v.check for v in weighted] == ["rewards"] and weighted[0].iteration == 1, report.summary()
 
 
 @pytest.mark.slow
