@@ -157,7 +157,10 @@ def test_bad_components_route_and_builtins(tmp_path, monkeypatch, reward, messag
 
 RUNTIME_FAULTS = '''
 import math, time, zlib
+EVAL_HANGS = False
 def score(solution_str, ground_truth, sample_id):
+    if sample_id.startswith("eval/") and EVAL_HANGS:
+        time.sleep(600)
     kind = int(sample_id.rsplit("/", 1)[1])   # the candidate
     if kind == 0:
         raise KeyError("no such answer")
@@ -181,7 +184,7 @@ def test_runtime_faults_are_error_records_naming_the_function(tmp_path, monkeypa
     fn = build_reward(build_config(None, ["reward.fn=faulty.py:score"]).reward, "file")
     ids = ["r/0/p/0"] + [f"r/0/{_prompt_with(k)}/1" for k in range(5)] + ["r/0/p/3"]
     records = RewardPool(fn, num_scorers=0).score([sample("7", sample_id=i) for i in ids])
-    expected = ["raised KeyError: 'no such answer' at faulty.py:6 in score", *NON_SCORES]
+    expected = ["raised KeyError: 'no such answer' at faulty.py:9 in score", *NON_SCORES]
     for record, detail, sample_id in zip(records, expected, ids):
         assert record.status == "error" and record.total is None
         assert record.message.startswith(f"scorer 'faulty.py:score' (version {fn.version}) on sample '{sample_id}': ")
@@ -239,10 +242,15 @@ def test_weighted_custom_function_and_format_reward(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_runtime_faults_in_training_follow_the_reward_error_policy(tmp_path, monkeypatch):
-    (tmp_path / "faulty.py").write_text(RUNTIME_FAULTS)
+    (tmp_path / "faulty.py").write_text(RUNTIME_FAULTS.replace("EVAL_HANGS = False", "EVAL_HANGS = True"))
     monkeypatch.chdir(tmp_path)
     reward = {"fn": "faulty.py:score", "num_scorers": 2, "timeout_s": 5.0}
-    run = _train(_write_yaml(tmp_path, reward, algorithm={"reward_error": "penalty", "reward_error_penalty": -1.0}))
+    run = _train(_write_yaml(tmp_path, reward, algorithm={"reward_error": "penalty", "reward_error_penalty": -1.0},
+                             eval={"num": 2}))
+    summary = json.loads((run / "summary.json").read_text())
+    # the evaluation scores in the scorer processes too: its calls (which sleep 600 s) time out
+    # after 5 s and count as unsolved; scored in the driver, this run would not have ended
+    assert summary["accuracy_before"] == summary["accuracy_after"] == 0.0
     rows = _rows(run)
     for r in rows:
         candidate, it = int(r["sample_id"].rsplit("/", 1)[1]), r["sample_id"].split("/")[1]

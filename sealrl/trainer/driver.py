@@ -66,7 +66,8 @@ def _train(run: Run) -> dict:
     logger = MetricsLogger(run.dir, cfg.run.loggers)
     eval_kw = dict(reward_fn=setup.build_reward_fn(cfg), tokenizer=roles.tokenizer,
                    max_new_tokens=cfg.rollout.max_new_tokens, num=cfg.eval.num, pass_k=cfg.eval.pass_k,
-                   temperature=cfg.eval.temperature, seed=cfg.run.seed)
+                   temperature=cfg.eval.temperature, seed=cfg.run.seed, num_scorers=cfg.reward.num_scorers,
+                   timeout_s=cfg.reward.timeout_s)
     version = publish(run)
     before = resumed["accuracy_before"] if resumed else evaluate(roles.rollout, version, data.eval, **eval_kw)
     wall = resumed["train_wall_s"] if resumed else 0.0
