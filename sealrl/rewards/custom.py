@@ -134,7 +134,7 @@ class CustomReward:
     def __init__(self, spec: str, key: str = "reward.fn") -> None:
         self._fn, self.source, where = load_function(spec, key)
         self.spec, self.name = spec, spec
-        self.version = f"{_file_hash(self.source)}"
+        self.version = _file_hash(self.source)
         self.positional, self.keywords = _bind_plan(self._fn, where, key)
 
     def __getstate__(self) -> dict[str, Any]:
