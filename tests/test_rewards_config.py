@@ -366,3 +366,14 @@ def test_an_edited_reward_file_refuses_a_resume(tmp_path, monkeypatch):
     (tmp_path / "reward.py").write_text(VERL_REWARD.replace("ground_truth)", "ground_truth).lower()"))
     with pytest.raises(CheckpointError, match=r"reward_fn.version: '\w{12}' -> '\w{12}'"):
         train(load_config(str(yaml_path), ["run.resume=auto"]))
+
+
+def test_components_and_route_from_overrides():
+    cfg = build_config(None, ["reward.components=[{fn: arith, weight: 2}, {fn: auto, weight: -1, name: again}]",
+                              "reward.route={countdown: countdown}"]).reward
+    fn = build_reward(cfg, "arith")
+    right, other = RewardPool(fn, num_scorers=0).score([
+        sample("7", data_source="arith"),
+        sample("1+2*3", truth={"target": 7, "numbers": [1, 2, 3]}, data_source="countdown", sample_id="r/0/p/1")])
+    assert right.total == 2 * 1.0 - 1 * 1.0 and right.components == {"arith": 1.0, "again": 1.0}
+    assert other.total == 1.0 and other.components == {"countdown": 1.0} and other.scorer == "route"
