@@ -235,15 +235,26 @@ class CriticConfig:
         _check(self.lr > 0, "critic.lr", "> 0", self.lr)
 
 
+REWARD_BUILTINS = ("auto", "arith", "countdown", "math", "format", "code_exec", "reward_model")
+
+
 @dataclass(kw_only=True, slots=True)
-class RewardConfig:
-    fn: str = "auto"                       # auto (by data source) | arith | countdown | math
+class RewardConfig:  # docs/rewards.md; components and route are checked by sealrl.rewards.from_config
+    fn: str = "auto"                       # REWARD_BUILTINS | pkg.module:function | path/file.py:function (from CWD)
+    components: list = field(default_factory=list)  # [{fn, weight, name?}]: total = sum weight * value (not with fn)
+    route: dict = field(default_factory=dict)  # {data_source: fn}: that source's samples scored by that fn alone
     num_scorers: int = resumable(0)        # scorer processes (0 = in-process, no deadline)
     timeout_s: float = resumable(10.0)     # per-call deadline in worker processes
+    format_pattern: str = ""               # fn=format: regex the whole answer must match (1.0, else 0.0)
+    model_path: str = ""                   # fn=reward_model: HF sequence classifier folder, num_labels=1
+    sandbox_wall_s: float = 5.0            # fn=code_exec: wall-clock seconds per test run
+    sandbox_cpu_s: int = 2                 # fn=code_exec: CPU seconds per test run
+    sandbox_memory_mb: int = 256           # fn=code_exec: address-space limit per test run
+    sandbox_max_processes: int = 8         # fn=code_exec: processes per test run
 
     def __post_init__(self):
-        _check(self.fn in ("auto", "arith", "countdown", "math"), "reward.fn",
-               "auto | arith | countdown | math", self.fn)
+        _check(self.fn in REWARD_BUILTINS or ":" in self.fn, "reward.fn", f"{' | '.join(REWARD_BUILTINS)}, "
+               "package.module:function or path/file.py:function", self.fn)
         _check(self.timeout_s > 0, "reward.timeout_s", "> 0", self.timeout_s)
 
 

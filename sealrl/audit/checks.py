@@ -17,9 +17,11 @@ from typing import Callable, Iterator
 
 from sealrl.audit.folder import IterationFile, RunFolder
 from sealrl.audit.report import Violation
+from sealrl.config import ConfigError
 from sealrl.experience.fields import FIELDS, Align
 from sealrl.experience.ids import PolicyVersion, group_id, split_sample_id
 from sealrl.experience.store import read_iteration
+from sealrl.rewards.from_config import components
 
 Check = Callable[[RunFolder], Iterator[Violation]]
 
@@ -284,8 +286,9 @@ def _old_log_probs(f: IterationFile, fields: dict, policy: str | None, configure
 def check_rewards(run: RunFolder) -> Iterator[Violation]:
     """An error is not a score: errored records carry no total and reach the loss only as the
     explicit penalty of reward_error=penalty; ok rows are scored by their total (minus the soft
-    overlong penalty, within its bound)."""
+    overlong penalty, within its bound); with reward.components, a total is their weighted sum."""
     algo = run.cfg.algorithm
+    yield from _weighted_sums(run)
     for f in run.readable:
         c = f.cols
         missing = [k for k in ("reward_status", "reward_total", "scores") if k not in c]
@@ -325,6 +328,31 @@ def check_rewards(run: RunFolder) -> Iterator[Violation]:
             elif cut > SCORE_TOL and len(c["response_ids"][i]) <= free:
                 yield v(f"score {score} is {what} {base} minus {cut}, but the response "
                         f"({len(c['response_ids'][i])} tokens) ends before the overlong buffer (token {free})")
+
+
+def _weighted_sums(run: RunFolder) -> Iterator[Violation]:
+    """With reward.components, every ok record outside reward.route holds each component's
+    value, and its total is the weighted sum of them (sealrl.rewards.from_config)."""
+    try:
+        parts = components(run.cfg.reward, run.cfg.data.task)
+    except ConfigError as e:   # the config check names an edited config; a bad one cannot weigh
+        yield Violation("rewards", f"reward.components cannot be read: {e}")
+        return
+    routed = set(run.cfg.reward.route or {})
+    for f in run.readable if parts else ():
+        c = f.cols
+        for i in range(f.num_rows):
+            if c["reward_status"][i] != "ok" or c.get("data_source", [""] * f.num_rows)[i] in routed:
+                continue
+            v = lambda msg: Violation("rewards", msg, f.iteration, sample_id=c["sample_id"][i])  # noqa: E731, B023
+            values = json.loads(c["reward_components"][i]) if "reward_components" in c else {}
+            missing = [name for name, _, _ in parts if name not in values]
+            if missing:
+                yield v(f"reward record lacks the components {missing} of reward.components")
+                continue
+            total = sum(weight * values[name] for name, _, weight in parts)
+            if abs(total - c["reward_total"][i]) > SCORE_TOL * max(1.0, abs(total)):
+                yield v(f"reward total {c['reward_total'][i]} is not the weighted sum of its components {total}")
 
 
 def check_ledger(run: RunFolder) -> Iterator[Violation]:

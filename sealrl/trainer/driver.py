@@ -66,7 +66,8 @@ def _train(run: Run) -> dict:
     logger = MetricsLogger(run.dir, cfg.run.loggers)
     eval_kw = dict(reward_fn=setup.build_reward_fn(cfg), tokenizer=roles.tokenizer,
                    max_new_tokens=cfg.rollout.max_new_tokens, num=cfg.eval.num, pass_k=cfg.eval.pass_k,
-                   temperature=cfg.eval.temperature, seed=cfg.run.seed)
+                   temperature=cfg.eval.temperature, seed=cfg.run.seed, num_scorers=cfg.reward.num_scorers,
+                   timeout_s=cfg.reward.timeout_s)
     version = publish(run)
     before = resumed["accuracy_before"] if resumed else evaluate(roles.rollout, version, data.eval, **eval_kw)
     wall = resumed["train_wall_s"] if resumed else 0.0
@@ -139,7 +140,8 @@ def run_iteration(run: Run, it: int, version) -> dict:
         texts = {s.sample_id: roles.tokenizer.decode(list(s.response_ids), skip_special_tokens=True)
                  for ss in groups.values() for s in ss}   # decoded once, for the reward and the record
         items = {s.sample_id: (s, prompt_of(g).text, texts[s.sample_id], prompt_of(g).ground_truth,
-                               prompt_of(g).data_source) for g, ss in groups.items() for s in ss}
+                               prompt_of(g).data_source, prompt_of(g).extra_info)
+                 for g, ss in groups.items() for s in ss}
         records, kept = score(run, ledger, groups, items)
     ledger.commit(list(kept))
     metrics = {**ledger.counts(), **rollout_metrics(groups, records, run.timer.stage_seconds["generate"]),

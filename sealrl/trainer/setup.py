@@ -139,11 +139,10 @@ def build_sampler(cfg: Config, data: Data) -> PromptSampler:
 # ---- rewards ------------------------------------------------------------------------------
 
 def build_reward_fn(cfg: Config):
-    """reward.fn=auto picks the verifier of the task (math-verify for dataset files)."""
-    from sealrl.rewards.verifiers import ArithmeticExactMatch, CountdownVerifier, MathVerifier
-    table = {"arith": ArithmeticExactMatch, "countdown": CountdownVerifier, "math": MathVerifier}
-    name = cfg.reward.fn if cfg.reward.fn != "auto" else {"file": "math"}.get(cfg.data.task, cfg.data.task)
-    return table[name]()
+    """The scorer of the `reward` section (sealrl/rewards/from_config.py, docs/rewards.md);
+    reward.fn=auto picks the verifier of the task (math-verify for dataset files)."""
+    from sealrl.rewards.from_config import build_reward
+    return build_reward(cfg.reward, cfg.data.task)
 
 
 # ---- roles --------------------------------------------------------------------------------
