@@ -30,6 +30,25 @@ def sequence_scores(batch: ExperienceBatch, algo: AlgorithmConfig, max_new_token
     return scores
 
 
+VERL_ESTIMATORS = ("opo", "gpg", "grpo_passk", "optimal_token_baseline")
+
+
+def verl_estimator(name: str, batch: ExperienceBatch, seq_scores: torch.Tensor, gidx: torch.Tensor,
+                   token_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) advantages of the estimators of sealrl.algos.baselines. The optimal token baseline
+    reads the old policy's per-token sum of squared probabilities (prepare.py records it)."""
+    if name == "optimal_token_baseline":
+        return algos.optimal_token_baseline_advantages(token_rewards, mask, gidx, batch.get("old_log_probs"),
+                                                       batch.get("sum_pi_squared"))
+    if name == "opo":
+        seq = algos.opo_advantages(seq_scores, gidx, mask.sum(-1))
+    elif name == "gpg":
+        seq = algos.gpg_advantages(seq_scores, gidx)
+    else:
+        seq = algos.passk_advantages(seq_scores, gidx)
+    return algos.broadcast_to_tokens(seq, mask)
+
+
 def derive(batch: ExperienceBatch, algo: AlgorithmConfig, beta: float, max_new_tokens: int,
            version: str) -> dict[str, float]:
     """Write scores, token_rewards, advantages (and returns, PPO) into the batch; return metrics.
@@ -60,6 +79,8 @@ def derive(batch: ExperienceBatch, algo: AlgorithmConfig, beta: float, max_new_t
         adv = algos.broadcast_to_tokens(algos.rloo_advantages(seq_scores, gidx), mask)
     elif name == "reinforce_pp":
         adv = algos.reinforce_pp_advantages(token_rewards, mask, gamma=algo.gamma)
+    elif name in VERL_ESTIMATORS:
+        adv = verl_estimator(name, batch, seq_scores, gidx, token_rewards, mask)
     else:  # reinforce_pp_baseline
         # KL enters through token rewards that hold only the KL part (the score gets the baseline).
         adv = algos.reinforce_pp_baseline_advantages(scores, gidx, mask, token_rewards=-beta * kl,
