@@ -328,8 +328,9 @@ def check_rewards(run: RunFolder) -> Iterator[Violation]:
 
 
 def check_ledger(run: RunFolder) -> Iterator[Violation]:
-    """Every sampled prompt (ledger row) was trained (committed, in that iteration's file) or
-    dropped with a reason; every trained group has one committed row; none is both."""
+    """Every sampled prompt (ledger row) was trained (committed, in that iteration's file),
+    dropped with a reason, or filtered for zero variance (dynamic sampling); every trained group
+    has one committed row, and with dynamic sampling its scores vary; none is two of these."""
     for msg in run.ledger_errors:
         yield Violation("ledger", msg)
     trained: dict[tuple[int, str], IterationFile] = {(f.iteration, g): f for f in run.readable for g in f.groups}
@@ -345,8 +346,10 @@ def check_ledger(run: RunFolder) -> Iterator[Violation]:
         if len(entries) > 1:
             yield v(f"recorded {len(entries)} times ({', '.join(statuses)})")
         for e in entries:
-            if e["status"] not in ("committed", "dropped"):
-                yield v(f"status {e['status']!r} is neither committed nor dropped")
+            if e["status"] not in ("committed", "dropped", "filtered"):
+                yield v(f"status {e['status']!r} is neither committed, dropped nor filtered")
+            if e["status"] == "filtered" and not run.cfg.algorithm.dynamic_sampling:
+                yield v("filtered, but algorithm.dynamic_sampling is off: nothing filters groups")
             if g != group_id(run.run_id, it, e["prompt_id"]):
                 yield v(f"ledger group id is not run/iteration/prompt for prompt {e['prompt_id']}")
         if "dropped" in statuses:
@@ -356,6 +359,12 @@ def check_ledger(run: RunFolder) -> Iterator[Violation]:
                 yield v("dropped without a reason")
             if (it, g) in trained:
                 yield v("recorded as dropped but its samples were trained")
+        if "filtered" in statuses:
+            reasons = [str(e.get("reason", "")) for e in entries if e["status"] == "filtered"]
+            if not all(r.startswith("zero variance") for r in reasons):
+                yield v("filtered without its reason (zero variance)")
+            if (it, g) in trained:
+                yield v("recorded as filtered (zero variance) but its samples were trained")
         if "committed" in statuses and (it, g) not in trained:
             yield v("committed in the ledger but absent from the iteration's experience file")
     for (it, g), f in trained.items():
@@ -365,6 +374,10 @@ def check_ledger(run: RunFolder) -> Iterator[Violation]:
             continue
         prompt = f.cols["prompt_id"][f.groups[g][0]]
         errored = sum(f.cols["reward_status"][i] != "ok" for i in f.groups[g]) if "reward_status" in f.cols else 0
+        scores = [f.cols["scores"][i] for i in f.groups[g]] if "scores" in f.cols else []
+        if run.cfg.algorithm.dynamic_sampling and len(scores) > 1 and len(set(scores)) == 1:
+            yield Violation("ledger", f"trained group's scores are all {scores[0]}: dynamic sampling filters "
+                            "zero-variance groups", it, g)
         for e in entries:
             if e["prompt_id"] != prompt:
                 yield Violation("ledger", f"ledger prompt {e['prompt_id']} but trained prompt {prompt}", it, g)
@@ -387,11 +400,22 @@ def _ledger_vs_sampler(run: RunFolder, rows: dict[tuple[int, str], list[dict]], 
         by_iter[it].append((g, entries[0]["prompt_id"]))
     seen: dict[str, tuple[int, int]] = {}        # prompt_id -> (epoch, iteration) of its last use
     sampler = replay_sampler(run.cfg, num_prompts)
+    algo = run.cfg.algorithm
     for it in range(last + 1):
-        size = len(sampler.next_batch())
-        epoch = sampler.epoch                    # of this batch (next_batch opens a new epoch first)
+        # dynamic sampling: round r of an iteration is the sampler's next batch after round r - 1
+        rounds = 1 + max((e.get("round", 0) for (i, _), es in rows.items() if i == it for e in es), default=0)
+        if rounds > (algo.max_sampling_rounds if algo.dynamic_sampling else 1):
+            yield Violation("ledger", f"{rounds} generation rounds recorded; algorithm.dynamic_sampling="
+                            f"{algo.dynamic_sampling}, max_sampling_rounds={algo.max_sampling_rounds}", it)
+        size, epochs = 0, set()
+        for _ in range(rounds):
+            size += len(sampler.next_batch())
+            epochs.add(sampler.epoch)            # of this batch (next_batch opens a new epoch first)
+        epoch = max(epochs)
         if len(by_iter[it]) != size:
             yield Violation("ledger", f"{len(by_iter[it])} groups recorded; the sampler passed {size} prompts", it)
+        if len(epochs) > 1:
+            yield Violation("ledger", f"the iteration's {rounds} sampling rounds span epochs {sorted(epochs)}", it)
         for g, prompt in by_iter[it]:
             if prompt in seen and seen[prompt][0] == epoch:
                 yield Violation("ledger", f"prompt {prompt} sampled again in epoch {epoch} "

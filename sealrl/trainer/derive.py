@@ -19,11 +19,16 @@ def group_index(group_ids: list[str]) -> torch.Tensor:
 def sequence_scores(batch: ExperienceBatch, algo: AlgorithmConfig, max_new_tokens: int) -> torch.Tensor:
     """(B,) training score: the ok reward total, or the explicit penalty for an errored
     record (only reachable with reward_error=penalty), plus the soft overlong penalty (DAPO)."""
-    records = batch.get("reward_records", producer=Role.REWARD)
+    return training_scores(batch.get("reward_records", producer=Role.REWARD),
+                           [len(s.response_ids) for s in batch.samples], algo, max_new_tokens)
+
+
+def training_scores(records, lengths: list[int], algo: AlgorithmConfig, max_new_tokens: int) -> torch.Tensor:
+    """`sequence_scores` from reward records and response lengths (also dynamic sampling's filter)."""
     scores = torch.tensor([r.total if r.ok else algo.reward_error_penalty for r in records],
                           dtype=torch.float32)
     if algo.overlong == "soft":
-        lengths = torch.tensor([len(s.response_ids) for s in batch.samples], dtype=torch.float32)
+        lengths = torch.tensor(lengths, dtype=torch.float32)
         start = max_new_tokens - algo.overlong_buffer
         over = ((lengths - start) / max(1, algo.overlong_buffer)).clamp(min=0.0, max=1.0)
         scores = scores - algo.overlong_penalty * over
