@@ -12,6 +12,17 @@ from sealrl import algos as A
 t = torch.tensor
 
 
+def test_remax_subtracts_the_greedy_reward_from_the_return():
+    # row 0: score 1 on its last token (t=2), KL-shaped -0.1 at t=0; greedy baseline 0.5
+    #   G = 0.9, 1.0, 1.0 -> A = 0.4, 0.5, 0.5
+    # row 1: 2 tokens and a hole at t=1 (mask 0, its 7 is ignored), score 0 at t=2; baseline 0.5
+    #   G = 0, (hole), 0 -> A = -0.5, 0, -0.5;  row 2 padding-only after t=0: G = 3 -> A = 3 - 1 = 2
+    rewards = t([[-0.1, 0.0, 1.0], [0.0, 7.0, 0.0], [3.0, 0.0, 0.0]])
+    mask = t([[1, 1, 1], [1, 0, 1], [1, 0, 0]])
+    adv = A.remax_advantages(rewards, t([0.5, 0.5, 1.0]), mask)
+    assert_close(adv, t([[0.4, 0.5, 0.5], [-0.5, 0.0, -0.5], [2.0, 0.0, 0.0]]))
+
+
 def test_opo_length_weighted_baseline():
     # group 0 (rows 0, 2, 5): scores 1, 0, 1, lengths 2, 4, 6 -> b = (2 + 0 + 6) / 12 = 2/3
     # group 1 (row 3): one member -> 0
@@ -199,7 +210,7 @@ def test_kl_cov_penalises_the_top_covariance_token():
 
 
 def test_every_new_name_is_in_the_option_tables():
-    assert {"opo", "gpg", "grpo_passk", "optimal_token_baseline"} <= set(A.ADVANTAGE_ESTIMATORS)
+    assert {"remax", "opo", "gpg", "grpo_passk", "optimal_token_baseline"} <= set(A.ADVANTAGE_ESTIMATORS)
     assert {"sapo", "cispo", "gmpo", "clip_cov", "kl_cov"} <= set(A.POLICY_LOSSES)
 
 

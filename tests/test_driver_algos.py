@@ -37,6 +37,7 @@ CASES = {
     "gspo": ["actor.loss=gspo", "actor.clip_low=3e-4", "actor.clip_high=4e-4", "actor.loss_agg=seq-mean-token-mean"],
     "pg_top_k": ["actor.loss=pg", "rollout.top_k=5", "rollout.top_p=0.9"],
     # verl's estimators and loss modes (sealrl.algos.baselines, .surrogates)
+    "remax": ["algorithm.name=remax", "algorithm.kl_coef=0.05", "algorithm.kl_in=reward"],
     "opo_sapo": ["algorithm.name=opo", "actor.loss=sapo", "actor.loss_agg=seq-mean-token-mean"],
     "gpg": ["algorithm.name=gpg", "actor.loss=pg"],
     "passk_cispo": ["algorithm.name=grpo_passk", "actor.loss=cispo"],

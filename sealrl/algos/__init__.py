@@ -3,7 +3,7 @@
 advantages  GAE, GRPO / Dr.GRPO, RLOO, REINFORCE++ (+baseline), whitening
 kl          KL estimators, KL-shaped token rewards, KL coefficient controllers
 losses      loss aggregation (global normaliser), PPO / GSPO / PG policy losses, value loss, entropy
-baselines   OPO, GPG, pass@k, optimal token baseline (more critic-free estimators)
+baselines   ReMax, OPO, GPG, pass@k, optimal token baseline (more critic-free estimators)
 surrogates  SAPO, CISPO, GMPO, Clip-Cov, KL-Cov policy losses; POLICY_LOSSES, the table of all
 correction  rollout-vs-trainer mismatch: truncated IS weights, rejection masks, metrics
 """
@@ -22,6 +22,7 @@ from sealrl.algos.baselines import (
     opo_advantages,
     optimal_token_baseline_advantages,
     passk_advantages,
+    remax_advantages,
     sum_pi_squared_from_logits,
 )
 from sealrl.algos.correction import (
@@ -70,6 +71,6 @@ __all__ = [
     "gspo_loss", "make_normaliser", "policy_gradient_loss", "policy_ratio", "ppo_clip_loss", "ratio_stats",
     "value_loss",
     "gpg_advantages", "opo_advantages", "optimal_token_baseline_advantages", "passk_advantages",
-    "sum_pi_squared_from_logits",
+    "remax_advantages", "sum_pi_squared_from_logits",
     "cispo_loss", "clip_cov_loss", "gmpo_loss", "kl_cov_loss", "sapo_loss",
 ]

@@ -19,7 +19,7 @@ from torch import Tensor
 
 # algorithm.name: the advantage estimator (ppo = GAE with a critic); trainer/derive.py applies it
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo",
-                        "opo", "gpg", "grpo_passk", "optimal_token_baseline")   # the last four: baselines.py
+                        "remax", "opo", "gpg", "grpo_passk", "optimal_token_baseline")   # these five: baselines.py
 
 
 def broadcast_to_tokens(adv: Tensor, mask: Tensor) -> Tensor:

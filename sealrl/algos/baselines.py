@@ -1,5 +1,5 @@
-"""More critic-free advantage estimators, as verl users select them: OPO, GPG, pass@k, and the
-optimal token baseline. Same conventions as `sealrl.algos.advantages` (groups by the integer
+"""More critic-free advantage estimators, as verl users select them: ReMax, OPO, GPG, pass@k,
+and the optimal token baseline. Same conventions as `sealrl.algos.advantages` (groups by the integer
 `group_index`, never by position; padding comes out 0; a group of one sample has nobody to be
 compared with and gets advantage 0, where verl uses a baseline of 0 and so the raw score).
 """
@@ -13,6 +13,21 @@ from sealrl.algos.advantages import _discounted_returns, _group_stats
 
 def _float(x: Tensor) -> Tensor:
     return x if x.is_floating_point() else x.float()
+
+
+def remax_advantages(token_rewards: Tensor, baseline_scores: Tensor, response_mask: Tensor) -> Tensor:
+    """ReMax (Li et al. 2023, arXiv:2310.10505, Algorithm 1), as verl's `remax`: REINFORCE with
+    the reward of the prompt's greedy response as the baseline.
+
+        G_t = sum_{s >= t, s valid} r_s           return-to-go of the token rewards (gamma = 1)
+        A_t = G_t - b_i                           b_i = reward of the greedy (argmax) response to
+                                                  sample i's prompt, same policy version
+
+    Not whitened. token_rewards, response_mask (B, T); baseline_scores (B,) -> (B, T), 0 at
+    padding; holes in the mask are skipped by the return."""
+    m = response_mask.bool()
+    returns = _discounted_returns(token_rewards.float(), m, 1.0)
+    return torch.where(m, returns - baseline_scores.float().unsqueeze(-1), torch.zeros_like(returns))
 
 
 def opo_advantages(scores: Tensor, group_index: Tensor, lengths: Tensor) -> Tensor:

@@ -252,6 +252,8 @@ def check_provenance(run: RunFolder) -> Iterator[Violation]:
             yield v(f"algorithm.kl_coef={algo.kl_coef} but no ref_log_probs were recorded")
         if algo.name == "ppo" and "values" not in fields:
             yield v("PPO run without critic values")
+        if algo.name == "remax" and "baseline_scores" not in fields:
+            yield v("ReMax run without baseline_scores (the greedy responses' rewards)")
         if "reward_records" in fields:
             versions = {f"{s}@{ver}" for s, ver in zip(c.get("reward_scorer", ()), c.get("reward_scorer_version", ()))}
             if fields["reward_records"].get("version") and versions != {fields["reward_records"]["version"]}:
@@ -378,12 +380,26 @@ def check_ledger(run: RunFolder) -> Iterator[Violation]:
         if run.cfg.algorithm.dynamic_sampling and len(scores) > 1 and len(set(scores)) == 1:
             yield Violation("ledger", f"trained group's scores are all {scores[0]}: dynamic sampling filters "
                             "zero-variance groups", it, g)
+        yield from _remax_baseline(f, g, entries[0], it)
         for e in entries:
             if e["prompt_id"] != prompt:
                 yield Violation("ledger", f"ledger prompt {e['prompt_id']} but trained prompt {prompt}", it, g)
             if e.get("penalised", 0) != errored:
                 yield Violation("ledger", f"ledger counts {e.get('penalised', 0)} penalised samples, the file "
                                 f"holds {errored} errored rewards", it, g)
+
+
+def _remax_baseline(f: IterationFile, g: str, entry: dict, it: int) -> Iterator[Violation]:
+    """ReMax: a trained group's samples carry one baseline, its ledger row's greedy score."""
+    if "baseline_scores" not in f.cols:
+        return
+    values = {f.cols["baseline_scores"][i] for i in f.groups[g]}
+    recorded = (entry.get("baseline") or {}).get("score")
+    if recorded is None:
+        yield Violation("ledger", "trained ReMax group has no greedy baseline in its ledger row", it, g)
+    elif len(values) != 1 or abs(next(iter(values)) - recorded) > SCORE_TOL * max(1.0, abs(recorded)):
+        yield Violation("ledger", f"baseline_scores of the group {sorted(values)} are not its ledger row's "
+                        f"greedy score {recorded}", it, g)
 
 
 def _ledger_vs_sampler(run: RunFolder, rows: dict[tuple[int, str], list[dict]], last: int) -> Iterator[Violation]:

@@ -60,6 +60,8 @@ FIELDS: dict[str, FieldSpec] = {s.name: s for s in (
           "critic value of the state after the last response token (bootstrap at truncation)"),
     _spec("reward_records", None, "sample", [R.REWARD], "fact",
           "RewardRecord per sample: total, components, scorer, status, message"),
+    _spec("baseline_scores", torch.float32, "sample", [R.REWARD], "fact",
+          "ReMax: reward total of the greedy response to the sample's prompt (same version, top-k 1)"),
     _spec("scores", torch.float32, "sample", [R.DRIVER], "derived",
           "sequence score used for training, from ok reward records after the error policy"),
     _spec("token_rewards", torch.float32, "token", [R.DRIVER], "derived",

@@ -35,13 +35,16 @@ def training_scores(records, lengths: list[int], algo: AlgorithmConfig, max_new_
     return scores
 
 
-VERL_ESTIMATORS = ("opo", "gpg", "grpo_passk", "optimal_token_baseline")
+VERL_ESTIMATORS = ("remax", "opo", "gpg", "grpo_passk", "optimal_token_baseline")
 
 
 def verl_estimator(name: str, batch: ExperienceBatch, seq_scores: torch.Tensor, gidx: torch.Tensor,
                    token_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(B, T) advantages of the estimators of sealrl.algos.baselines. The optimal token baseline
-    reads the old policy's per-token sum of squared probabilities (prepare.py records it)."""
+    reads the old policy's per-token sum of squared probabilities (prepare.py records it), ReMax
+    the greedy baseline of each sample (remax.py records it)."""
+    if name == "remax":
+        return algos.remax_advantages(token_rewards, batch.get("baseline_scores"), mask)
     if name == "optimal_token_baseline":
         return algos.optimal_token_baseline_advantages(token_rewards, mask, gidx, batch.get("old_log_probs"),
                                                        batch.get("sum_pi_squared"))

@@ -26,6 +26,7 @@ from sealrl.trainer.ledger import new_iteration
 from sealrl.trainer.position import forget_after, restore_position, save_position
 from sealrl.trainer.prepare import advantages, build_batch, prepare, seal
 from sealrl.trainer.record import record
+from sealrl.trainer.remax import greedy_baselines, put_baselines
 from sealrl.trainer.setup import Run
 from sealrl.trainer.state import Phase, StageFailed, committed_id
 from sealrl.trainer.update import update
@@ -145,12 +146,16 @@ def run_iteration(run: Run, it: int, version) -> dict:
         records, kept = score(run, ledger, groups, items)
     if cfg.algorithm.dynamic_sampling:   # DAPO: filter zero-variance groups, over-sample more rounds
         kept = oversample(run, it, version, ledger, groups, records, kept, prompt_map, texts, served)
+    if cfg.algorithm.name == "remax":    # ReMax: the reward of a greedy response per prompt is the baseline
+        kept, baselines = greedy_baselines(run, it, version, ledger, kept, prompt_map, served)
     ledger.commit(list(kept))
     metrics = {**ledger.counts(), **rollout_metrics(groups, records, run.timer.stage_seconds["generate"]),
                **stage_io_metrics(run.timer.stage_spans, groups, roles.rollout.take_recoveries())}
     if not kept:
         raise StageFailed(f"iteration {it}: every group was dropped ({ledger.rows()[0]['reason']})")
     batch = build_batch(run, it, kept, records, prompt_of, texts, version)
+    if cfg.algorithm.name == "remax":
+        put_baselines(batch, baselines)
     prepare(run, batch, version)
     metrics.update(advantages(run, batch, it))
     seal(run, it, batch, ledger, served)       # durable before any update reads it

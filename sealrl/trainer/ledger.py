@@ -27,6 +27,7 @@ class GroupEntry:
     status: str = "pending"          # committed | dropped | filtered (dynamic sampling: zero variance)
     reason: str = ""
     round: int = 0                   # generation round of the iteration (dynamic sampling over-samples)
+    baseline: dict | None = None     # ReMax: the greedy response's score, text, tokens and scorer
     regenerated: int = 0             # candidates sampled again after a rollout failure
     reward_errors: int = 0           # errored reward records seen (before the policy)
     penalised: int = 0               # errored samples kept with the explicit penalty
