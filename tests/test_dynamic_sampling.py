@@ -72,6 +72,21 @@ def test_hiding_a_filtered_group_fails_the_audit(run_dir, tmp_path):
     assert any(v.check == "ledger" and "the sampler passed" in v.message for v in report.violations)
 
 
+def test_hiding_a_whole_trailing_round_fails_the_audit(run_dir, tmp_path):
+    """Counts alone cannot see a missing last round (every remaining round matches its batch);
+    the replay knows over-sampling only stops when it must."""
+    rows = _ledger(run_dir)
+    last = {}
+    for r in rows:
+        last[r["iteration"]] = max(last.get(r["iteration"], 0), r["round"])
+    # an iteration whose last round trained nothing (this seeded run has one)
+    it = next(i for i, rd in last.items()
+              if rd > 0 and not any(r["iteration"] == i and r["round"] == rd and r["status"] == "committed"
+                                    for r in rows))
+    report = _tampered(run_dir, tmp_path, lambda rs: [r for r in rs if (r["iteration"], r["round"]) != (it, last[it])])
+    assert any(v.check == "ledger" and "a round is missing" in v.message for v in report.violations)
+
+
 def test_a_filtered_group_passed_off_as_trained_fails_the_audit(run_dir, tmp_path):
     def claim(rows):
         r = next(r for r in rows if r["status"] == "filtered")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Callable, Iterator
 
 from sealrl.audit.folder import IterationFile, RunFolder
@@ -412,31 +412,49 @@ def _ledger_vs_sampler(run: RunFolder, rows: dict[tuple[int, str], list[dict]], 
         yield Violation("ledger", "run.json records no num_train_prompts: the sampler's batches cannot be replayed")
         return
     by_iter: dict[int, list[tuple[str, str]]] = defaultdict(list)      # iteration -> [(group, prompt)]
+    rows_of: dict[int, list[dict]] = defaultdict(list)                   # iteration -> its ledger rows
     for (it, g), entries in rows.items():
         by_iter[it].append((g, entries[0]["prompt_id"]))
+        rows_of[it] += entries
     seen: dict[str, tuple[int, int]] = {}        # prompt_id -> (epoch, iteration) of its last use
     sampler = replay_sampler(run.cfg, num_prompts)
-    algo = run.cfg.algorithm
     for it in range(last + 1):
-        # dynamic sampling: round r of an iteration is the sampler's next batch after round r - 1
-        rounds = 1 + max((e.get("round", 0) for (i, _), es in rows.items() if i == it for e in es), default=0)
-        if rounds > (algo.max_sampling_rounds if algo.dynamic_sampling else 1):
-            yield Violation("ledger", f"{rounds} generation rounds recorded; algorithm.dynamic_sampling="
-                            f"{algo.dynamic_sampling}, max_sampling_rounds={algo.max_sampling_rounds}", it)
-        size, epochs = 0, set()
-        for _ in range(rounds):
-            size += len(sampler.next_batch())
-            epochs.add(sampler.epoch)            # of this batch (next_batch opens a new epoch first)
-        epoch = max(epochs)
-        if len(by_iter[it]) != size:
-            yield Violation("ledger", f"{len(by_iter[it])} groups recorded; the sampler passed {size} prompts", it)
-        if len(epochs) > 1:
-            yield Violation("ledger", f"the iteration's {rounds} sampling rounds span epochs {sorted(epochs)}", it)
+        epoch = yield from _sampling_rounds(run, it, rows_of[it], sampler)
         for g, prompt in by_iter[it]:
             if prompt in seen and seen[prompt][0] == epoch:
                 yield Violation("ledger", f"prompt {prompt} sampled again in epoch {epoch} "
                                 f"(already in iteration {seen[prompt][1]})", it, g)
             seen[prompt] = (epoch, it)
+
+
+def _sampling_rounds(run: RunFolder, it: int, entries: list[dict], sampler) -> Iterator[Violation]:
+    """Replay iteration `it`'s generation rounds (round r is the sampler's next batch after round
+    r - 1; one round unless dynamic sampling): each round's ledger rows match its batch, the
+    rounds stay in one epoch, and over-sampling stopped only when it had to (data.prompts_per_iter
+    groups with signal, algorithm.max_sampling_rounds, or the epoch's end), so a trailing round
+    removed from the ledger is found. Returns the epoch of the iteration."""
+    algo, target = run.cfg.algorithm, run.cfg.data.prompts_per_iter
+    per_round = Counter(e.get("round", 0) for e in entries)
+    rounds = 1 + max(per_round, default=0)
+    if rounds > (algo.max_sampling_rounds if algo.dynamic_sampling else 1):
+        yield Violation("ledger", f"{rounds} generation rounds recorded; algorithm.dynamic_sampling="
+                        f"{algo.dynamic_sampling}, max_sampling_rounds={algo.max_sampling_rounds}", it)
+    epochs = set()
+    for r in range(rounds):
+        size = len(sampler.next_batch())
+        epochs.add(sampler.epoch)            # of this batch (next_batch opens a new epoch first)
+        if per_round[r] != size:
+            yield Violation("ledger", f"{per_round[r]} groups recorded in round {r}; the sampler passed "
+                            f"{size} prompts", it)
+    if len(epochs) > 1:
+        yield Violation("ledger", f"the iteration's {rounds} sampling rounds span epochs {sorted(epochs)}", it)
+    signal = sum(e["status"] == "committed" or str(e.get("reason", "")).startswith("remax:") for e in entries)
+    if (algo.dynamic_sampling and signal < target and rounds < algo.max_sampling_rounds
+            and sampler.cursor < sampler.num_prompts):
+        yield Violation("ledger", f"over-sampling stopped after {rounds} round(s) with {signal} of {target} "
+                        "groups with signal, before max_sampling_rounds or the epoch's end: a round is "
+                        "missing from the ledger", it)
+    return max(epochs)
 
 
 def replay_sampler(cfg, num_prompts: int):
