@@ -140,7 +140,7 @@ class RolloutConfig:
 
 @dataclass(kw_only=True, slots=True)
 class AlgorithmConfig:
-    name: str = "grpo"                     # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | ppo
+    name: str = "grpo"                     # one of algos.ADVANTAGE_ESTIMATORS (grpo, ppo, opo, ...; docs/from-verl.md)
     gamma: float = 1.0                     # discount (PPO/GAE, REINFORCE++)
     lam: float = 0.95                      # GAE lambda (PPO)
     kl_coef: float = 0.0                   # KL coefficient; 0 loads no reference model
@@ -157,6 +157,8 @@ class AlgorithmConfig:
     overlong: str = "none"                 # none | mask (truncated responses get no loss) | soft
     overlong_buffer: int = 4               # soft penalty ramps over the last this-many tokens
     overlong_penalty: float = 1.0          # maximal soft penalty
+    dynamic_sampling: bool = False         # DAPO: filter zero-variance groups, over-sample prompts to refill
+    max_sampling_rounds: int = 3           # dynamic sampling: generation rounds per iteration, the first included
 
     def __post_init__(self):
         _check_one_of(self.name, "ADVANTAGE_ESTIMATORS", "algorithm.name")
@@ -181,6 +183,7 @@ class AlgorithmConfig:
         _check(self.reward_error in ("drop_group", "retry", "penalty"), "algorithm.reward_error",
                "drop_group | retry | penalty", self.reward_error)
         _check(self.overlong in ("none", "mask", "soft"), "algorithm.overlong", "none | mask | soft", self.overlong)
+        _check(self.max_sampling_rounds >= 1, "algorithm.max_sampling_rounds", ">= 1", self.max_sampling_rounds)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -196,12 +199,17 @@ class ActorConfig:
     mini_batch_size: int = 0               # samples per optimizer step (0 = the whole batch)
     micro_batch_size: int = 64             # samples per forward/backward (gradient accumulation)
     grad_clip: float = 1.0                 # max global grad norm (0 = off)
-    loss: str = "clip"                     # clip (clipped surrogate: PPO, GRPO, DAPO) | gspo | pg (no ratio)
+    loss: str = "clip"                     # clip (PPO/GRPO/DAPO) | gspo | pg | sapo | cispo | gmpo | clip_cov | kl_cov
     loss_agg: str = "token-mean"           # one of algos.AGG_MODES (token-mean, seq-mean-token-mean, ...)
     clip_low: float = 0.2                  # PPO ratio lower clip (1 - clip_low)
     clip_high: float = 0.2                 # PPO ratio upper clip (1 + clip_high); > clip_low = clip-higher
     dual_clip: float = 0.0                 # dual-clip constant c > 1 (0 = off)
     entropy_coef: float = 0.0              # entropy bonus
+    sapo_tau_pos: float = 1.0              # loss=sapo: gate temperature where A > 0 (sapo_tau_neg: A < 0)
+    sapo_tau_neg: float = 1.05
+    cov_ratio: float = 2e-4                # loss=clip_cov | kl_cov: share of tokens selected by covariance
+    clip_cov_bounds: tuple[float, float] = (1.0, 5.0)  # loss=clip_cov: covariance window (lb, ub) of candidates
+    kl_cov_coef: float = 1.0               # loss=kl_cov: coefficient of |log ratio| on the selected tokens
 
     def __post_init__(self):
         _check(self.lr > 0, "actor.lr", "> 0", self.lr)
@@ -219,7 +227,10 @@ class ActorConfig:
         _check(self.loss == "pg" or self.clip_low > 0 or self.clip_high > 0, "actor.clip_high",
                "> 0 when actor.clip_low=0 (a [1, 1] clip range lets no update move the policy)",
                self.clip_high)
-        self.betas = tuple(self.betas)
+        _check(min(self.sapo_tau_pos, self.sapo_tau_neg) > 0, "actor.sapo_tau_pos/neg", "> 0", self.sapo_tau_neg)
+        _check(0 < self.cov_ratio <= 1 and self.kl_cov_coef >= 0 and self.clip_cov_bounds[0] < self.clip_cov_bounds[1],
+               "actor.cov_ratio/kl_cov_coef/clip_cov_bounds", "in (0, 1], >= 0, (lb < ub)", self.clip_cov_bounds)
+        self.betas, self.clip_cov_bounds = tuple(self.betas), tuple(self.clip_cov_bounds)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -401,6 +412,9 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"actor.mini_batch_size={mini} must divide the batch data.prompts_per_iter * "
                           f"rollout.n = {cfg.data.prompts_per_iter} * {cfg.rollout.n} = {batch}",
                           "actor.mini_batch_size")
+    if (cfg.algorithm.name == "grpo_passk" or cfg.algorithm.dynamic_sampling) and cfg.rollout.n < 2:
+        raise ConfigError(f"algorithm.name=grpo_passk and algorithm.dynamic_sampling need rollout.n >= 2 "
+                          f"(a group of one has no runner-up and no variance), got {cfg.rollout.n}", "rollout.n")
 
 
 def _yaml_error(path: str, e: yaml.YAMLError) -> ConfigError:

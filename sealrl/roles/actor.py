@@ -33,6 +33,7 @@ class Actor:
         self.attempt = 0        # tries of the current update (a rolled-back update retries)
         self.skipped_steps = 0  # optimizer steps skipped for a non-finite gradient
         self.iteration = 0      # the iteration being updated (names fault-injection points)
+        self.seed = 0           # the update's seed (Clip-Cov's token draw)
         self._kept = None       # (batch, version id, log-probs, entropy) of a fused old forward
         self._has_dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()) \
             or any(getattr(model.config, k, 0) for k in ("attention_dropout", "hidden_dropout", "dropout"))
@@ -103,7 +104,7 @@ class Actor:
         """UPDATING_FROM(v): minibatch optimizer steps over `ppo_epochs` passes. `kl_coef` is the
         KL-in-loss coefficient in force: the driver's KL controller's beta (the one `kl/beta` logs)."""
         cfg, algo = self.cfg, self.algo
-        self.iteration = iteration
+        self.iteration, self.seed = iteration, seed
         old = batch.get("old_log_probs", version=version.id)
         adv = batch.get("advantages")
         candidates, mask = loss_mask(batch, algo)
@@ -196,10 +197,25 @@ class Actor:
         if cfg.loss == "clip":
             return algos.ppo_clip_loss(lp, old, adv, mask, norm, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                        dual_clip=cfg.dual_clip or None, is_weights=weights)
-        if cfg.loss == "gspo":
-            return algos.gspo_loss(lp, old, adv, mask, norm, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                   is_weights=weights)
+        if cfg.loss in ("gspo", "cispo", "gmpo"):
+            return algos.POLICY_LOSSES[cfg.loss](lp, old, adv, mask, norm, clip_low=cfg.clip_low,
+                                                 clip_high=cfg.clip_high, is_weights=weights)
+        if cfg.loss != "pg":
+            return algos.POLICY_LOSSES[cfg.loss](lp, old, adv, mask, norm, is_weights=weights, **self._loss_params())
         return algos.policy_gradient_loss(lp, adv, mask, norm, is_weights=weights)
+
+    def _loss_params(self) -> dict:
+        """Keyword arguments of the sapo, clip_cov and kl_cov losses from the actor config. Clip-Cov
+        draws its tokens from a generator seeded by (run seed, optimizer step, attempt): the same
+        draw in a repeated or resumed run."""
+        cfg = self.cfg
+        if cfg.loss == "sapo":
+            return {"tau_pos": cfg.sapo_tau_pos, "tau_neg": cfg.sapo_tau_neg}
+        if cfg.loss == "kl_cov":
+            return {"cov_ratio": cfg.cov_ratio, "kl_coef": cfg.kl_cov_coef}
+        gen = torch.Generator().manual_seed(self.seed * 1000003 + self.step * 101 + self.attempt)
+        return {"clip_low": cfg.clip_low, "clip_high": cfg.clip_high, "cov_ratio": cfg.cov_ratio,
+                "cov_lb": cfg.clip_cov_bounds[0], "cov_ub": cfg.clip_cov_bounds[1], "generator": gen}
 
     def _is_weights(self, batch: ExperienceBatch, old: torch.Tensor) -> torch.Tensor | None:
         """Truncated importance weights old/rollout (train/inference mismatch correction)."""

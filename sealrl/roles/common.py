@@ -8,8 +8,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from sealrl.algos import sum_pi_squared_from_logits
 from sealrl.experience import ExperienceBatch
-from sealrl.models.logprobs import response_log_probs
+from sealrl.models.logprobs import pad_batch, response_log_probs, response_logits
 from sealrl.roles.distributed import clip_grad_norm, sum_grads
 
 
@@ -64,6 +65,22 @@ def batch_log_probs(model, batch: ExperienceBatch, temperature: float, pad_id: i
     lp = torch.cat(out_lp).cpu().masked_fill(~mask, 0.0) if out_lp else torch.zeros(0, width)
     ent = torch.cat(out_ent).cpu().masked_fill(~mask, 0.0) if out_ent else None
     return lp, ent
+
+
+def batch_sum_pi_squared(model, batch: ExperienceBatch, temperature: float, pad_id: int,
+                         micro_batch_size: int) -> torch.Tensor:
+    """(B, R) sum_v pi(v)^2 of softmax(logits / T) at each response token of the batch under
+    `model`, no grad (the optimal token baseline's gradient-norm proxy). 0 past each response."""
+    width, out = batch.num_response_tokens, []
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for start in range(0, len(batch), micro_batch_size):
+            part = batch.samples[start:start + micro_batch_size]
+            padded = pad_batch([list(s.prompt_ids) for s in part], [list(s.response_ids) for s in part],
+                               pad_id, device)
+            sq = sum_pi_squared_from_logits(response_logits(model, padded).float() / temperature)
+            out.append(pad_width((sq * padded.response_mask).float(), width))
+    return torch.cat(out).cpu().masked_fill(~batch.token_mask(), 0.0) if out else torch.zeros(0, width)
 
 
 def lr_at(step: int, base: float, warmup: int, schedule: str, total: int, min_ratio: float) -> float:

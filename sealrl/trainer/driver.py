@@ -18,6 +18,7 @@ from sealrl.obs.metrics import MetricsLogger
 from sealrl.obs.progress import Progress
 from sealrl.trainer import drills, setup
 from sealrl.trainer.collect import generate, score
+from sealrl.trainer.dynamic import oversample
 from sealrl.trainer.evaluate import evaluate
 from sealrl.trainer.inputs import check_inputs, write_dropped_rows
 from sealrl.trainer.iteration_metrics import rollout_metrics, share_metrics, stage_io_metrics
@@ -25,6 +26,7 @@ from sealrl.trainer.ledger import new_iteration
 from sealrl.trainer.position import forget_after, restore_position, save_position
 from sealrl.trainer.prepare import advantages, build_batch, prepare, seal
 from sealrl.trainer.record import record
+from sealrl.trainer.remax import greedy_baselines, put_baselines
 from sealrl.trainer.setup import Run
 from sealrl.trainer.state import Phase, StageFailed, committed_id
 from sealrl.trainer.update import update
@@ -130,7 +132,8 @@ def run_iteration(run: Run, it: int, version) -> dict:
     prompts = [run.data.train[i] for i in run.sampler.next_batch()]
     ledger, requests = new_iteration(it, cfg.rollout.n, cfg.rollout.max_retries, cfg.run.name, cfg.run.seed,
                                      [(p.prompt_id, p.token_ids) for p in prompts])
-    prompt_of = {g: p for g, p in zip(requests, prompts)}.__getitem__
+    prompt_map = dict(zip(requests, prompts))
+    prompt_of = prompt_map.__getitem__
     run.to(Phase.GENERATING, version.id)   # every sample comes from the active version v, and only from it
     roles.rollout.take_served()   # forget who served the evaluation's calls
     with run.stage("generate", "rollout"):
@@ -143,12 +146,18 @@ def run_iteration(run: Run, it: int, version) -> dict:
                                prompt_of(g).data_source, prompt_of(g).extra_info)
                  for g, ss in groups.items() for s in ss}
         records, kept = score(run, ledger, groups, items)
+    if cfg.algorithm.dynamic_sampling:   # DAPO: filter zero-variance groups, over-sample more rounds
+        kept = oversample(run, it, version, ledger, groups, records, kept, prompt_map, texts, served)
+    if cfg.algorithm.name == "remax":    # ReMax: the reward of a greedy response per prompt is the baseline
+        kept, baselines = greedy_baselines(run, it, version, ledger, kept, prompt_map, served)
     ledger.commit(list(kept))
     metrics = {**ledger.counts(), **rollout_metrics(groups, records, run.timer.stage_seconds["generate"]),
                **stage_io_metrics(run.timer.stage_spans, groups, roles.rollout.take_recoveries())}
     if not kept:
         raise StageFailed(f"iteration {it}: every group was dropped ({ledger.rows()[0]['reason']})")
     batch = build_batch(run, it, kept, records, prompt_of, texts, version)
+    if cfg.algorithm.name == "remax":
+        put_baselines(batch, baselines)
     prepare(run, batch, version)
     metrics.update(advantages(run, batch, it))
     seal(run, it, batch, ledger, served)       # durable before any update reads it
