@@ -40,7 +40,7 @@ def test_problems_are_gsm8k_layout_and_many_enough():
 
 def test_converted_parquet_reads_back_through_the_loader(data_dir):
     _, tokenizer = load_causal_lm(EMBEDDED_MODEL)
-    cfg = load_config(str(BYO / "byo_grpo.yaml"), ["reward.fn=math"])
+    cfg = load_config(str(BYO / "byo_grpo.yaml"))
     loaded = {name: load_prompts(data_dir / f"{name}.parquet", tokenizer, cfg.data.max_prompt_tokens)
               for name in ("train", "test")}   # on_bad_row=error: any refusal fails here
     assert (len(loaded["train"]), len(loaded["test"])) == (40, 10)
@@ -101,9 +101,9 @@ def test_compute_score_refuses_an_unparsable_ground_truth():
 @pytest.mark.slow   # about a minute on 2 shared cores
 def test_two_iterations_train_on_the_converted_data(tmp_path, data_dir):
     from sealrl.trainer.driver import train
-    # reward.fn=math (built-in math-verify) until file:function rewards are loadable from config
+    # the example's own reward: examples/byo/reward.py:compute_score, resolved from the repository root
     cfg = load_config(str(BYO / "byo_grpo.yaml"), [
-        "reward.fn=math", f"data.train_file={data_dir / 'train.parquet'}",
+        f"data.train_file={data_dir / 'train.parquet'}",
         f"data.eval_file={data_dir / 'test.parquet'}", f"run.output_dir={tmp_path}", "run.iterations=2",
         "run.eval_every=0", "run.checkpoint_every=0", "run.progress=false", "run.threads=1",
         "run.loggers="])
@@ -113,3 +113,5 @@ def test_two_iterations_train_on_the_converted_data(tmp_path, data_dir):
     ledger = [json.loads(x) for x in (run / "ledger.jsonl").read_text().splitlines()]
     assert len(ledger) == 2 * 8   # 8 prompts a iteration, each one group
     assert audit_run(run).failed_checks() == []
+    records = pq.read_table(run / "experience" / "iter_000001.parquet").column("reward_scorer").to_pylist()
+    assert set(records) == {"examples/byo/reward.py:compute_score"}, set(records)
