@@ -32,6 +32,7 @@ from sealrl.roles.rollout import Rollout
 from sealrl.rollout import GenerationRequest
 from sealrl.sync.adapter import merge_adapter, sync_bytes
 from sealrl.sync.manifest import WeightSyncError, build_manifest
+from sealrl.trainer.adapters import wrap_models
 
 SMALL = dict(hidden_size=32, num_layers=2, intermediate_size=64)
 LORA = LoraConfig(rank=4, alpha=8.0, target_modules="all-linear")
@@ -89,6 +90,9 @@ def test_nested_overrides_and_a_target_that_matches_nothing():
         apply_lora(model, dataclasses.replace(LORA, target_modules="q_proj,qq_proj"), "actor.lora", seed=0)
     assert "\n" not in str(e.value)
     assert not has_lora(model)   # refused before anything was injected
+    ray = load_config(None, ["actor.lora.rank=4", "placement.backend=ray"])
+    with pytest.raises(ConfigError, match="need placement.backend=local"):
+        wrap_models(ray, model)
 
 
 def test_reference_is_the_base_with_the_adapter_off_bitwise(tmp_path):
