@@ -187,6 +187,18 @@ class AlgorithmConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class LoraConfig:  # actor.lora / critic.lora (models/lora.py): a peft LoRA adapter on a frozen base
+    rank: int = 0                          # LoRA rank r (0 = off: every weight is trained)
+    alpha: float = 32.0                    # the adapter's output is scaled by alpha / rank
+    dropout: float = 0.0                   # dropout on the adapter's input (training only)
+    target_modules: str = "all-linear"     # comma list (or YAML list) of module names | all-linear (not lm_head)
+
+    def __post_init__(self):
+        _check(self.rank >= 0 and self.alpha > 0 and 0 <= self.dropout < 1, "lora", "rank >= 0, alpha > 0, "
+               "dropout in [0, 1)", f"rank={self.rank} alpha={self.alpha} dropout={self.dropout}")
+
+
+@dataclass(kw_only=True, slots=True)
 class ActorConfig:
     lr: float = 1e-4                       # AdamW learning rate
     weight_decay: float = 0.0              # AdamW weight decay
@@ -210,6 +222,7 @@ class ActorConfig:
     cov_ratio: float = 2e-4                # loss=clip_cov | kl_cov: share of tokens selected by covariance
     clip_cov_bounds: tuple[float, float] = (1.0, 5.0)  # loss=clip_cov: covariance window (lb, ub) of candidates
     kl_cov_coef: float = 1.0               # loss=kl_cov: coefficient of |log ratio| on the selected tokens
+    lora: LoraConfig = field(default_factory=LoraConfig)  # actor.lora.rank > 0: train a LoRA adapter only
 
     def __post_init__(self):
         _check(self.lr > 0, "actor.lr", "> 0", self.lr)
@@ -241,6 +254,7 @@ class CriticConfig:
     value_clip: float = 0.0                # value-loss clip (0 = off)
     grad_clip: float = 1.0                 # critic max grad norm (0 = off)
     warmup_steps: int = 0                  # critic linear warm-up
+    lora: LoraConfig = field(default_factory=LoraConfig)  # critic.lora.rank > 0: adapter + value head trained
 
     def __post_init__(self):
         _check(self.lr > 0, "critic.lr", "> 0", self.lr)
@@ -335,6 +349,8 @@ def resumable_keys() -> frozenset[tuple[str, str]]:
 
 
 def _plain(v):
+    if dataclasses.is_dataclass(v):  # a nested section (actor.lora)
+        return {f.name: _plain(getattr(v, f.name)) for f in fields(v)}
     return list(v) if isinstance(v, tuple) else v
 
 
@@ -350,6 +366,8 @@ def _suggest(key: str, options: list[str]) -> str:
 def _coerce(key: str, raw: Any, typ: Any) -> Any:
     """Turn a YAML value or a CLI string into the declared type, or say which key is wrong.
     CLI strings are parsed as YAML scalars except for str fields, which are taken verbatim."""
+    if dataclasses.is_dataclass(typ):  # a nested section: a mapping of its fields
+        return _build_nested(key, raw, typ)
     value = yaml.safe_load(raw) if isinstance(raw, str) and typ is not str else raw
     expected = getattr(typ, "__origin__", None) or typ
     if expected is float and isinstance(value, str):
@@ -364,6 +382,20 @@ def _coerce(key: str, raw: Any, typ: Any) -> Any:
     if not isinstance(value, expected) or (expected in (int, float) and isinstance(value, bool)):
         raise ConfigError(f"{key} must be of type {expected.__name__}, got {raw!r}", key)
     return value
+
+
+def _build_nested(key: str, raw: Any, cls: type) -> Any:
+    """A nested section (`actor.lora`) from a mapping; a YAML list is a comma list."""
+    hints = get_type_hints(cls)
+    _check(isinstance(raw, dict), key, f"a mapping of {', '.join(hints)}", raw)
+    for name in (n for n in raw if n not in hints):
+        raise ConfigError(f"unknown config key {key}.{name}{_suggest(name, list(hints))}", f"{key}.{name}")
+    values = {n: _coerce(f"{key}.{n}", ",".join(map(str, v)) if isinstance(v, list) else v, hints[n])
+              for n, v in raw.items()}
+    try:
+        return cls(**values)
+    except ConfigError as e:  # LoraConfig's own check names `lora`: say whose
+        raise ConfigError(f"{key}{str(e).removeprefix('lora')}", key) from None
 
 
 def build_config(raw: dict[str, Any] | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -383,7 +415,9 @@ def build_config(raw: dict[str, Any] | None = None, overrides: list[str] | tuple
         sec, _, name = key.partition(".")
         if sec not in sections:
             raise ConfigError(f"unknown config section {sec!r} in {item!r}{_suggest(sec, list(sections))}")
-        merged.setdefault(sec, {})[name] = value
+        name, _, leaf = name.partition(".")  # actor.lora.rank=16: a field of a nested section
+        sub = merged.setdefault(sec, {})
+        sub[name] = {**(sub[name] if isinstance(sub.get(name), dict) else {}), leaf: value} if leaf else value
     built = {}
     for sec, cls in sections.items():
         hints = get_type_hints(cls)
@@ -484,7 +518,7 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = (), c
             check_config(cfg)
         return cfg
     except ConfigError as e:
-        given = [o for o in overrides if e.key and o.partition("=")[0] == e.key]
+        given = [o for o in overrides if e.key and (o.partition("=")[0] + ".").startswith(e.key + ".")]
         if given:
             raise ConfigError(f"{e} (from the override {given[-1]})", e.key) from None
         if path and e.key in lines:

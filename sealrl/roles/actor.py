@@ -11,9 +11,11 @@ from sealrl import algos, faults
 from sealrl.experience import ExperienceBatch, PolicyVersion, Role
 from sealrl.models.hf import model_config_hash
 from sealrl.models.logprobs import response_log_probs
+from sealrl.models.lora import adapter_scaling, adapter_state, base_state, has_lora
 from sealrl.roles import common
 from sealrl.roles.common import batch_log_probs, lr_at, optimizer_step, pad_width
 from sealrl.roles.distributed import all_gather_cat, all_reduce_sums, idle_passes, own_rows, world
+from sealrl.sync.adapter import AdapterManifest, build_adapter_manifest
 from sealrl.sync.manifest import WeightManifest, build_manifest
 
 if TYPE_CHECKING:
@@ -28,6 +30,9 @@ class Actor:
         self.run_id, self.tokenizer_hash = run_id, tokenizer_hash
         self.temperature, self.pad_id, self.total_steps, self.horizon = temperature, pad_id, total_steps, horizon
         self.config_hash = model_config_hash(model.config)
+        # LoRA: the frozen base's manifest (pinned by the rollout, named by every version and checkpoint)
+        self.base = build_manifest({k: v.detach().cpu() for k, v in base_state(model).items()}, "base", 0, 0,
+                                   tokenizer_hash, self.config_hash) if has_lora(model) else None
         self.optimizer = self.make_optimizer()
         self.step = 0           # committed optimizer steps
         self.attempt = 0        # tries of the current update (a rolled-back update retries)
@@ -39,14 +44,22 @@ class Actor:
             or any(getattr(model.config, k, 0) for k in ("attention_dropout", "hidden_dropout", "dropout"))
 
     def make_optimizer(self) -> torch.optim.Optimizer:
-        """AdamW over the model's parameters (made again after FSDP2 replaces them with DTensors)."""
+        """AdamW over the model's trainable parameters (all of them, or with LoRA the adapter's);
+        made again after FSDP2 replaces them with DTensors."""
         cfg = self.cfg
-        return torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
                                  weight_decay=cfg.weight_decay)
 
     # ---- versions and export ------------------------------------------------------------
-    def export(self) -> tuple[dict[str, torch.Tensor], WeightManifest]:
-        """EXPORTING(v): a detached CPU copy of the weights and their manifest."""
+    def export(self) -> tuple[dict[str, torch.Tensor], WeightManifest | AdapterManifest]:
+        """EXPORTING(v): a detached CPU copy of the weights and their manifest; with LoRA only
+        the adapter's tensors, and a manifest naming the base by hash (sync/adapter.py)."""
+        if self.base is not None:
+            state = {k: v.detach().cpu().clone() for k, v in adapter_state(self.model).items()}
+            return state, build_adapter_manifest(state, adapter_scaling(self.model), self.base.version.weights_hash,
+                                                 self.run_id, self.step, self.attempt, self.tokenizer_hash,
+                                                 self.config_hash)
         state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
         manifest = build_manifest(state, self.run_id, self.step, self.attempt,
                                   self.tokenizer_hash, self.config_hash)

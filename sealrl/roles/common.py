@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from sealrl.algos import sum_pi_squared_from_logits
 from sealrl.experience import ExperienceBatch
 from sealrl.models.logprobs import pad_batch, response_log_probs, response_logits
+from sealrl.models.lora import load_trainable_state, trainable_state
 from sealrl.roles.distributed import clip_grad_norm, sum_grads
 
 
@@ -29,13 +30,13 @@ def clone_state(x):
 
 def snapshot(role) -> dict:
     """A training role's committed state (weights, optimizer, counters), to restore if an
-    update fails."""
-    return {"model": clone_state(role.model.state_dict()), "optim": clone_state(role.optimizer.state_dict()),
+    update fails. With LoRA only the trainable tensors: the base never changes."""
+    return {"model": clone_state(trainable_state(role.model)), "optim": clone_state(role.optimizer.state_dict()),
             "step": role.step, "skipped": role.skipped_steps}
 
 
 def restore(role, snap: dict) -> None:
-    role.model.load_state_dict(snap["model"])
+    load_trainable_state(role.model, snap["model"])
     role.optimizer.load_state_dict(snap["optim"])
     role.step, role.skipped_steps = snap["step"], snap["skipped"]
     role.optimizer.zero_grad(set_to_none=True)

@@ -28,8 +28,10 @@ class Critic:
         self.skipped_steps = 0   # optimizer steps skipped for a non-finite gradient
 
     def make_optimizer(self) -> torch.optim.Optimizer:
-        """AdamW over the model's parameters (made again after FSDP2 replaces them with DTensors)."""
-        return torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, eps=self.cfg.adam_eps,
+        """AdamW over the model's trainable parameters (with LoRA: the adapter and the value head);
+        made again after FSDP2 replaces them with DTensors."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=self.cfg.lr, eps=self.cfg.adam_eps,
                                  weight_decay=self.cfg.weight_decay)
 
     @property

@@ -13,9 +13,10 @@ import time
 import torch
 
 from sealrl.config import Config
-from sealrl.models.hf import save_causal_lm
+from sealrl.models.lora import save_policy
 from sealrl.obs.metrics import MetricsLogger
 from sealrl.obs.progress import Progress
+from sealrl.sync.adapter import sync_bytes
 from sealrl.trainer import drills, setup
 from sealrl.trainer.collect import generate, score
 from sealrl.trainer.dynamic import oversample
@@ -81,6 +82,7 @@ def _train(run: Run) -> dict:
         if run.sm.committed != committed_id(version.id):   # else every step was skipped: nothing new
             version = publish(run)   # ACTOR_COMMITTED(v+1) -> ... -> ROLLOUT_READY(v+1)
         metrics["time/weight_sync_s"] = run.timer.stage_seconds.get("weight_sync", 0.0)
+        metrics["sync/bytes"] = float(run.sync_bytes)
         metrics["time/iteration_s"] = time.perf_counter() - t0
         metrics.update(share_metrics(metrics))
         wall += metrics["time/iteration_s"]          # training time: evaluation is not counted
@@ -100,7 +102,7 @@ def _train(run: Run) -> dict:
             break
     progress.close()
     after = evaluate(roles.rollout, version, data.eval, **eval_kw)
-    save_causal_lm(roles.actor.model, roles.tokenizer, run.dir / "model")
+    save_policy(roles.actor.model, roles.tokenizer, run.dir)   # LoRA: merged model/ and adapter/
     summary = {"accuracy_before": before.get("eval/accuracy"), "accuracy_after": after.get("eval/accuracy"),
                "wall_s": round(wall, 2), "iterations": it + 1, "algorithm": cfg.algorithm.name,
                "eval_before": before, "eval_after": after, "policy_version": version.id,
@@ -118,6 +120,7 @@ def publish(run: Run):
     corrupted or missing tensor raises WeightSyncError naming it; nothing is activated."""
     with run.stage("weight_sync", "rollout"):
         state, manifest = run.roles.actor.export()
+        run.sync_bytes = sync_bytes(state)   # with LoRA, the adapter's tensors only
         run.to(Phase.EXPORTING, manifest.version.id)
         run.to(Phase.ROLLOUT_LOADING, manifest.version.id)
         version = run.roles.rollout.load(state, manifest)

@@ -3,6 +3,7 @@ and the one context object (`Run`) the iteration's stages share. Kept apart from
 that the loop reads like the state machine."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.metadata
 import json
@@ -29,6 +30,7 @@ from sealrl.roles.reference import Reference
 from sealrl.roles.reward import Reward
 from sealrl.roles.rollout import Rollout
 from sealrl.sync.manifest import build_manifest
+from sealrl.trainer import adapters
 from sealrl.trainer.state import Phase, StateMachine
 from sealrl.trainer.watchdog import Watchdog
 
@@ -185,28 +187,38 @@ def total_optimizer_steps(cfg: Config) -> int:
 
 def build_roles(cfg: Config, run_id: str) -> Roles:
     model, tokenizer = load_causal_lm(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    template, critic_model = model, None   # the rollout's structure; the critic when LoRA made it
+    if cfg.actor.lora.rank or cfg.critic.lora.rank:
+        model, template, critic_model = adapters.wrap_models(cfg, model)
     tok_hash = tokenizer_hash(tokenizer)
     temperature, pad = cfg.rollout.temperature, tokenizer.pad_token_id
     horizon = cfg.rollout.max_new_tokens
     make_actor = functools.partial(Actor, model, cfg.actor, cfg.algorithm, run_id, tok_hash, temperature,
                                    pad, total_optimizer_steps(cfg), horizon)
     actor = make_actor()
+    base = actor.base   # LoRA: the frozen base's manifest (else None)
     closers: list = []
     shared = shared_pool(cfg, closers)  # colocated actor ranks and rollout replicas, or None
     if cfg.placement.actor_ranks > 1:
         actor = data_parallel_role(cfg, "actor", make_actor, actor, closers, shared)
-    rollout = Rollout(model, tokenizer) if cfg.placement.backend == "local" else \
+    rollout = Rollout(template, tokenizer) if cfg.placement.backend == "local" else \
         ray_rollout_pool(cfg, model, tokenizer, closers, shared)
+    if base is not None:   # LoRA (local placement only): every version is an adapter on this base
+        rollout.pin_base(adapters.plain_base_state(model), base)
     reference = None
-    if cfg.algorithm.kl_coef > 0:  # no reference model is loaded when the KL coefficient is 0
+    if cfg.algorithm.kl_coef > 0 and base is not None:   # LoRA: the base with the adapter off, no copy
+        ref_version = dataclasses.replace(base.version, run_id="reference:base-adapter-off")
+        reference = Reference(model, ref_version, temperature, pad, cfg.actor.micro_batch_size, adapter_off=True)
+    elif cfg.algorithm.kl_coef > 0:  # no reference model is loaded when the KL coefficient is 0
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         ref_version = build_manifest(state, "reference", 0, 0, tok_hash, model_config_hash(model.config)).version
         reference = Reference(model, ref_version, temperature, pad, cfg.actor.micro_batch_size)
     critic = None
     if cfg.algorithm.name == "ppo":
         from sealrl.models.critic import CriticModel
-        torch.manual_seed(cfg.run.seed + 1)
-        critic_model = CriticModel.from_causal_lm(model)   # backbone copied from the policy, new head
+        if critic_model is None:
+            torch.manual_seed(cfg.run.seed + 1)
+            critic_model = CriticModel.from_causal_lm(model)   # backbone copied from the policy, new head
         make_critic = functools.partial(Critic, critic_model, cfg.critic, pad, cfg.actor.micro_batch_size,
                                         cfg.actor.loss_agg, horizon)
         critic = make_critic()
@@ -299,6 +311,7 @@ class Run:
     sm: StateMachine
     timer: StageTimer
     watchdog: Watchdog
+    sync_bytes: int = 0   # bytes the last weight sync moved (sync/bytes)
 
     @contextmanager
     def stage(self, name: str, role: str):
