@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from sealrl import faults
 from sealrl.config import Config, config_diff, resumable_keys
-from sealrl.models.hf import model_config_hash, tokenizer_hash
+from sealrl.models.hf import model_config_hash, save_causal_lm, tokenizer_hash
 from sealrl.rewards.base import reward_identity
 from sealrl.trainer.checkpoint import (
     CheckpointError,
@@ -51,7 +51,10 @@ def save_position(run_dir: Path, iteration: int, cfg: Config, roles, sampler, kl
         tensors["critic_model"] = dict(roles.critic.model.state_dict())
         tensors["critic_optim"] = c_t
         state.update(critic_step=roles.critic.step, critic_skipped=roles.critic.skipped_steps, critic_optim=c_meta)
-    folder = save_checkpoint(run_dir / "checkpoints", iteration, tensors, state)
+    # The policy also as a Hugging Face folder (`checkpoints/step_N/model`), loadable by
+    # transformers and vLLM as it is; resuming reads actor_model.safetensors.
+    export = {"model": lambda path: save_causal_lm(actor.model, roles.tokenizer, path)}
+    folder = save_checkpoint(run_dir / "checkpoints", iteration, tensors, state, export)
     faults.point("after_checkpoint", iteration)
     return folder
 
