@@ -12,15 +12,15 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from sealrl.config import build_config
+from sealrl.config import UserError, build_config
 from sealrl.data.dataset import load_prompts, write_parquet
 from sealrl.experience.store import read_iteration
-from sealrl.models.hf import load_causal_lm, save_causal_lm
+from sealrl.models.hf import load_causal_lm, padding_id, save_causal_lm
 from sealrl.models.logprobs import response_log_probs
 
 pytestmark = pytest.mark.slow   # builds a tokenizer and trains 2 iterations (~15 s on one core)
 
-START, END, PAD = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+START, END, TEXT_END = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 DEFAULT_SYSTEM = "You are a careful assistant."
 # ChatML as instruct models write it; a conversation without a system message gets a default one.
 CHATML = ("{% for m in messages %}"
@@ -46,9 +46,10 @@ def build_bpe_tokenizer() -> tuple[Tokenizer, PreTrainedTokenizerFast]:
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
     raw.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=320, special_tokens=[PAD, START, END], show_progress=False,
+        vocab_size=320, special_tokens=[TEXT_END, START, END], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    hf = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token=START, eos_token=END, pad_token=PAD)
+    # no pad token, as in many instruct folders: padding uses the eos id (models/hf.padding_id)
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token=START, eos_token=END)
     hf.chat_template = CHATML
     return raw, hf
 
@@ -56,11 +57,11 @@ def build_bpe_tokenizer() -> tuple[Tokenizer, PreTrainedTokenizerFast]:
 @pytest.fixture(scope="module")
 def bpe_model_dir(tmp_path_factory):
     raw, tok = build_bpe_tokenizer()
-    ids = {t: raw.token_to_id(t) for t in (PAD, START, END)}
+    ids = {t: raw.token_to_id(t) for t in (START, END)}
     config = LlamaConfig(vocab_size=raw.get_vocab_size(), hidden_size=32, intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          tie_word_embeddings=True, max_position_embeddings=256,
-                         pad_token_id=ids[PAD], bos_token_id=ids[START], eos_token_id=ids[END])
+                         bos_token_id=ids[START], eos_token_id=ids[END])
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     folder = tmp_path_factory.mktemp("bpe") / "model"
@@ -81,6 +82,16 @@ def expected_prompt(raw: Tokenizer, messages: list[dict]) -> tuple[str, list[int
         text += f"{START}{body}{END}\n"
         ids += [start, *enc(body), end, *enc("\n")]
     return text + f"{START}assistant\n", ids + [start, *enc("assistant\n")]
+
+
+def test_padding_falls_back_to_eos():
+    _, tok = build_bpe_tokenizer()
+    assert tok.pad_token_id is None and padding_id(tok, "f") == tok.convert_tokens_to_ids(END) == 2
+    tok.pad_token = TEXT_END
+    assert padding_id(tok, "f") == 0   # trained first, so <|endoftext|> has id 0
+    tok.pad_token = tok.eos_token = None
+    with pytest.raises(UserError, match="f: the tokenizer has neither a pad nor an eos token"):
+        padding_id(tok, "f")
 
 
 def write_rows(path):

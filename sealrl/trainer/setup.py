@@ -21,7 +21,7 @@ from sealrl.data.dataset import PromptSet, load_prompts, prompts_from_rows
 from sealrl.data.sampler import PromptSampler
 from sealrl.data.tasks import EMBEDDED_TASK, make_task
 from sealrl.experience import SamplingContract, digest
-from sealrl.models.hf import load_causal_lm, model_config_hash, tokenizer_hash
+from sealrl.models.hf import load_causal_lm, model_config_hash, padding_id, tokenizer_hash
 from sealrl.obs.timeline import StageTimer
 from sealrl.roles.actor import Actor
 from sealrl.roles.critic import Critic
@@ -186,7 +186,7 @@ def total_optimizer_steps(cfg: Config) -> int:
 def build_roles(cfg: Config, run_id: str) -> Roles:
     model, tokenizer = load_causal_lm(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     tok_hash = tokenizer_hash(tokenizer)
-    temperature, pad = cfg.rollout.temperature, tokenizer.pad_token_id
+    temperature, pad = cfg.rollout.temperature, padding_id(tokenizer, cfg.model.path)
     horizon = cfg.rollout.max_new_tokens
     make_actor = functools.partial(Actor, model, cfg.actor, cfg.algorithm, run_id, tok_hash, temperature,
                                    pad, total_optimizer_steps(cfg), horizon)
