@@ -3,10 +3,12 @@ the `tokenizers` library, a ChatML-like template with system/user/assistant role
 random Llama with GQA and tied embeddings. The prompt token ids must be the template's own
 rendering, assembled here by hand from the special-token ids and the raw tokenizer's encoding
 of the text between them; a 2-iteration run on it must train on those ids, and its sampled
-log-probs must equal the teacher-forced ones.
+log-probs must equal the teacher-forced ones. A GPT-NeoX folder (no lean path) trains on the HF
+forward, announced in one line.
 """
 from __future__ import annotations
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -18,7 +20,7 @@ from sealrl.experience.store import read_iteration
 from sealrl.models.hf import load_causal_lm, padding_id, save_causal_lm
 from sealrl.models.logprobs import response_log_probs
 
-pytestmark = pytest.mark.slow   # builds a tokenizer and trains 2 iterations (~15 s on one core)
+pytestmark = pytest.mark.slow   # two 2-iteration runs (~20 s in all on one core)
 
 START, END, TEXT_END = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 DEFAULT_SYSTEM = "You are a careful assistant."
@@ -135,3 +137,28 @@ def test_two_iterations_train_on_those_ids_with_rollout_parity(bpe_model_dir, tm
                                              [list(s.response_ids) for s in batch.samples])
         assert mask.sum() > 0 and (batch.get("rollout_log_probs") - lp).abs().max() <= 1e-5
         assert (batch.get("old_log_probs") - lp).abs().max() <= 1e-5
+
+
+def test_an_architecture_without_the_lean_path_trains_on_the_hf_forward(tmp_path, capsys):
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from sealrl.models.tiny import build_char_tokenizer
+    from sealrl.trainer.driver import train
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)
+    model = GPTNeoXForCausalLM(GPTNeoXConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    save_causal_lm(model, tok, tmp_path / "neox")
+    summary = train(build_config(None, [
+        f"model.path={tmp_path / 'neox'}", f"run.output_dir={tmp_path}", "run.name=neox", "run.iterations=2",
+        "run.progress=false", "run.threads=1", "data.num_train=32", "eval.num=4", "data.prompts_per_iter=4",
+        "rollout.n=2", "rollout.max_new_tokens=4", "actor.micro_batch_size=8", "algorithm.kl_coef=0.0"]))
+    assert summary["completed"]
+    notices = [x for x in capsys.readouterr().err.splitlines() if x.startswith("sealrl: rollout runs")]
+    assert notices == ["sealrl: rollout runs GPTNeoXForCausalLM on the HF forward, not the lean one "
+                       "(model_type 'gpt_neox' is not llama/qwen2); same numbers, slower decoding"]
+    batch = read_iteration(tmp_path / "neox" / "experience" / "iter_000001.parquet")
+    assert len(batch) == 8   # 4 prompts x 2, sampled on the HF forward (recorded per row)
+    table = pq.read_table(tmp_path / "neox" / "experience" / "iter_000001.parquet")
+    assert set(table.column("extra.rollout_backend").to_pylist()) == {"HFBackend"}
