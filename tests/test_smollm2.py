@@ -35,7 +35,7 @@ SYSTEM, QUESTION = "Solve the math problem.", "Tom has 3 apples and buys 4 more.
 def test_the_example_config_is_valid():
     cfg = load_config(str(EXAMPLE))   # with the cross-section rules of a new run
     assert cfg.model.path == "models/smollm2-135m-instruct" and cfg.data.task == "file"
-    assert cfg.reward.fn == "math" and cfg.data.use_chat_template
+    assert cfg.reward.fn == "examples/byo/reward.py:compute_score" and cfg.data.use_chat_template
 
 
 @pytest.fixture(scope="module")
