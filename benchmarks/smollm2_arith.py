@@ -7,8 +7,8 @@ example (user + assistant turns, answer in \\boxed{}) and the question.
         data.eval_file=/tmp/smollm2-arith/test.parquet run.iterations=4 reward.fn=math
 
 Why the worked example: SmolLM2-135M-Instruct answers "The answer is: 7", which the built-in
-reward.fn=math (math-verify on LaTeX only) scores 0; with no rewarded sample GRPO has no signal. One example turn in the
-prompt makes it write $\\boxed{7}$ often enough to learn from.
+reward.fn=math (math-verify on LaTeX only) scores 0; with no rewarded sample GRPO has no
+signal. One example turn in the prompt makes it write $\\boxed{7}$ often enough to learn from.
 """
 from __future__ import annotations
 
