@@ -133,6 +133,19 @@ def merged_model(model: "PeftModel") -> nn.Module:
     return copy.deepcopy(model).merge_and_unload()
 
 
+def checkpoint_exports(model: nn.Module, tokenizer) -> dict:
+    """The folders a checkpoint holds besides its tensors, as {name: writer(path)}: `model`, a
+    Hugging Face folder; with LoRA `adapter`, the peft adapter folder (the base is not copied
+    into every checkpoint; it is named by hash in the checkpoint's state)."""
+    if not has_lora(model):
+        return {"model": lambda path: save_causal_lm(model, tokenizer, path)}
+
+    def adapter(path):
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    return {"adapter": adapter}
+
+
 def save_policy(model: nn.Module, tokenizer, run_dir: Path) -> None:
     """The final policy: `model/` a Hugging Face folder (merged when LoRA is on) and, with
     LoRA, `adapter/` a peft adapter folder that loads on the base with PeftModel.from_pretrained."""

@@ -25,6 +25,7 @@ often faster for small models, because every multi-threaded op waits for a busy 
 """
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from sealrl.experience.ids import PolicyVersion, sample_id
 from sealrl.experience.records import SamplingContract, StopReason
 from sealrl.models.hf import check_same_tokenizer, model_config_hash, tokenizer_hash
 from sealrl.rollout.backends import HFBackend, LeanBackend, make_backend, weightless_template
+from sealrl.rollout.lean import lean_unsupported_reason
 from sealrl.rollout.loop import decode_loop
 from sealrl.rollout.sampling import candidate_seed
 from sealrl.rollout.stops import StopChecker
@@ -119,6 +121,9 @@ class RolloutEngine:
         self._template = weightless_template(model)  # the engine's own copy, no weight memory
         self._expected = {n: tuple(t.shape) for n, t in self._template.state_dict().items()}
         self._prefer_lean = prefer_lean
+        if prefer_lean and (reason := lean_unsupported_reason(model.config)) is not None:
+            print(f"sealrl: rollout runs {type(model).__name__} on the HF forward, not the lean one "
+                  f"({reason}); same numbers, slower decoding", file=sys.stderr, flush=True)
         self._active: _Snapshot | None = None
         self._staged: _Snapshot | None = None   # verified, not yet active
         self._base: tuple[str, dict[str, Tensor]] | None = None   # LoRA: (hash, weights) of the pinned base

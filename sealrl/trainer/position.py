@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from sealrl import faults
 from sealrl.config import Config, config_diff, resumable_keys
 from sealrl.models.hf import model_config_hash, tokenizer_hash
-from sealrl.models.lora import load_trainable_state, trainable_state
+from sealrl.models.lora import checkpoint_exports, load_trainable_state, trainable_state
 from sealrl.rewards.base import reward_identity
 from sealrl.trainer.adapters import base_hash
 from sealrl.trainer.checkpoint import (
@@ -55,7 +55,11 @@ def save_position(run_dir: Path, iteration: int, cfg: Config, roles, sampler, kl
         tensors["critic_model"] = dict(trainable_state(roles.critic.model))
         tensors["critic_optim"] = c_t
         state.update(critic_step=roles.critic.step, critic_skipped=roles.critic.skipped_steps, critic_optim=c_meta)
-    folder = save_checkpoint(run_dir / "checkpoints", iteration, tensors, state)
+    # The policy also as a Hugging Face folder (`checkpoints/step_N/model`), loadable by
+    # transformers and vLLM as it is (with LoRA: the peft adapter folder, `adapter`, the base
+    # never copied); resuming reads actor_model.safetensors.
+    folder = save_checkpoint(run_dir / "checkpoints", iteration, tensors, state,
+                             checkpoint_exports(actor.model, roles.tokenizer))
     faults.point("after_checkpoint", iteration)
     return folder
 

@@ -22,7 +22,7 @@ from sealrl.data.dataset import PromptSet, load_prompts, prompts_from_rows
 from sealrl.data.sampler import PromptSampler
 from sealrl.data.tasks import EMBEDDED_TASK, make_task
 from sealrl.experience import SamplingContract, digest
-from sealrl.models.hf import load_causal_lm, model_config_hash, tokenizer_hash
+from sealrl.models.hf import load_causal_lm, model_config_hash, padding_id, tokenizer_hash
 from sealrl.obs.timeline import StageTimer
 from sealrl.roles.actor import Actor
 from sealrl.roles.critic import Critic
@@ -191,7 +191,7 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
     if cfg.actor.lora.rank or cfg.critic.lora.rank:
         model, template, critic_model = adapters.wrap_models(cfg, model)
     tok_hash = tokenizer_hash(tokenizer)
-    temperature, pad = cfg.rollout.temperature, tokenizer.pad_token_id
+    temperature, pad = cfg.rollout.temperature, padding_id(tokenizer, cfg.model.path)
     horizon = cfg.rollout.max_new_tokens
     make_actor = functools.partial(Actor, model, cfg.actor, cfg.algorithm, run_id, tok_hash, temperature,
                                    pad, total_optimizer_steps(cfg), horizon)
