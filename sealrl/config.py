@@ -202,9 +202,18 @@ class ActorConfig:
     clip_high: float = 0.2                 # PPO ratio upper clip (1 + clip_high); > clip_low = clip-higher
     dual_clip: float = 0.0                 # dual-clip constant c > 1 (0 = off)
     entropy_coef: float = 0.0              # entropy bonus
+    # Teacher-forced passes of actor, reference, critic (models/packing.py): opt-in, as they move float rounding
+    max_tokens_per_micro_batch: int = 0    # token budget per micro-batch, balanced parts (0 = by micro_batch_size)
+    pack_sequences: bool = False           # packed rows: no padding, attention within each sequence only
+    logit_chunk_tokens: int = 0            # LM head + log-softmax this many tokens at a time (0 = all at once)
+    gradient_checkpointing: bool = False   # recompute layer activations in the backward (less memory)
+    dtype: str = "fp32"                    # fp32 | bf16 (autocast compute; fp32 master weights and AdamW state)
 
     def __post_init__(self):
         _check(self.lr > 0, "actor.lr", "> 0", self.lr)
+        for key in ("max_tokens_per_micro_batch", "logit_chunk_tokens"):
+            _check(getattr(self, key) >= 0, f"actor.{key}", ">= 0 (0 = off)", getattr(self, key))
+        _check(self.dtype in ("fp32", "bf16"), "actor.dtype", "fp32 | bf16", self.dtype)
         _check(self.lr_schedule in ("constant", "cosine", "linear"), "actor.lr_schedule",
                "constant | cosine | linear", self.lr_schedule)
         _check(self.ppo_epochs >= 1, "actor.ppo_epochs", ">= 1", self.ppo_epochs)
@@ -230,9 +239,12 @@ class CriticConfig:
     value_clip: float = 0.0                # value-loss clip (0 = off)
     grad_clip: float = 1.0                 # critic max grad norm (0 = off)
     warmup_steps: int = 0                  # critic linear warm-up
+    gradient_checkpointing: bool = False   # recompute backbone activations in the backward
+    dtype: str = "fp32"                    # fp32 | bf16 (autocast compute; fp32 master weights and AdamW state)
 
     def __post_init__(self):
         _check(self.lr > 0, "critic.lr", "> 0", self.lr)
+        _check(self.dtype in ("fp32", "bf16"), "critic.dtype", "fp32 | bf16", self.dtype)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -390,6 +402,8 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"actor.mini_batch_size={mini} must divide the batch data.prompts_per_iter * "
                           f"rollout.n = {cfg.data.prompts_per_iter} * {cfg.rollout.n} = {batch}",
                           "actor.mini_batch_size")
+    if cfg.actor.max_tokens_per_micro_batch and max(cfg.placement.actor_ranks, cfg.placement.critic_ranks) > 1:
+        raise ConfigError("a token budget needs one actor and one critic rank", "actor.max_tokens_per_micro_batch")
 
 
 def _yaml_error(path: str, e: yaml.YAMLError) -> ConfigError:
