@@ -22,7 +22,7 @@ def teacher_forcing(actor_cfg) -> TeacherForcing:
 def set_gradient_checkpointing(model, on: bool) -> None:
     """Activation checkpointing of a Hugging Face model (non-reentrant: exact same numbers)."""
     if on:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
 def sample_lengths(samples) -> list[int]:
