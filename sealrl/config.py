@@ -129,6 +129,7 @@ class RolloutConfig:
     top_k: int = 0                         # top-k filter (0 = off)
     max_new_tokens: int = 8                # response budget; hitting it is a truncation
     max_retries: int = 1                   # regenerations of a failed sample before its group is dropped
+    dtype: str = "fp32"                    # fp32 | bf16: the weights the actor exports to the rollout (checksummed)
 
     def __post_init__(self):
         _check(self.n >= 1, "rollout.n", ">= 1", self.n)
@@ -136,6 +137,7 @@ class RolloutConfig:
         _check(0 < self.top_p <= 1, "rollout.top_p", "in (0, 1]", self.top_p)
         _check(self.top_k >= 0, "rollout.top_k", ">= 0", self.top_k)
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", self.max_new_tokens)
+        _check(self.dtype in ("fp32", "bf16"), "rollout.dtype", "fp32 | bf16", self.dtype)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -202,8 +204,7 @@ class ActorConfig:
     clip_high: float = 0.2                 # PPO ratio upper clip (1 + clip_high); > clip_low = clip-higher
     dual_clip: float = 0.0                 # dual-clip constant c > 1 (0 = off)
     entropy_coef: float = 0.0              # entropy bonus
-    # Teacher-forced passes of actor, reference, critic (models/packing.py): opt-in, as they move float rounding
-    max_tokens_per_micro_batch: int = 0    # token budget per micro-batch, balanced parts (0 = by micro_batch_size)
+    max_tokens_per_micro_batch: int = 0    # token budget per micro-batch, balanced (0 = by count); models/packing.py
     pack_sequences: bool = False           # packed rows: no padding, attention within each sequence only
     logit_chunk_tokens: int = 0            # LM head + log-softmax this many tokens at a time (0 = all at once)
     gradient_checkpointing: bool = False   # recompute layer activations in the backward (less memory)
@@ -402,8 +403,6 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"actor.mini_batch_size={mini} must divide the batch data.prompts_per_iter * "
                           f"rollout.n = {cfg.data.prompts_per_iter} * {cfg.rollout.n} = {batch}",
                           "actor.mini_batch_size")
-    if cfg.actor.max_tokens_per_micro_batch and max(cfg.placement.actor_ranks, cfg.placement.critic_ranks) > 1:
-        raise ConfigError("a token budget needs one actor and one critic rank", "actor.max_tokens_per_micro_batch")
 
 
 def _yaml_error(path: str, e: yaml.YAMLError) -> ConfigError:

@@ -12,7 +12,7 @@ from sealrl.experience import ExperienceBatch, PolicyVersion, Role
 from sealrl.models import precision
 from sealrl.models.hf import model_config_hash
 from sealrl.roles import common
-from sealrl.roles.common import batch_log_probs, lr_at, optimizer_step, pad_width, sample_lengths
+from sealrl.roles.common import batch_log_probs, lr_at, optimizer_step, pad_width
 from sealrl.roles.distributed import all_gather_cat, all_reduce_sums, idle_passes, own_rows, world
 from sealrl.sync.manifest import WeightManifest, build_manifest
 
@@ -92,8 +92,7 @@ class Actor:
 
     def _micro_batches(self, batch: ExperienceBatch, rows: torch.Tensor) -> list[torch.Tensor]:
         """`rows` split into micro-batches: by count (consecutive), or by the token budget."""
-        parts = self.tf.micro_batches(sample_lengths([batch.samples[i] for i in rows.tolist()]))
-        return [rows[torch.tensor(p, dtype=torch.long)] for p in parts]
+        return [torch.tensor(p, dtype=torch.long) for p in common.micro_batches(self.tf, rows.tolist(), batch.samples)]
 
     # ---- rollback -----------------------------------------------------------------------
     def snapshot(self) -> dict:

@@ -8,9 +8,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from sealrl.config import ConfigError
 from sealrl.experience import ExperienceBatch
 from sealrl.models.packing import TeacherForcing
-from sealrl.roles.distributed import clip_grad_norm, sum_grads
+from sealrl.roles.distributed import clip_grad_norm, sum_grads, world
 
 
 def teacher_forcing(actor_cfg) -> TeacherForcing:
@@ -28,6 +29,17 @@ def set_gradient_checkpointing(model, on: bool) -> None:
 def sample_lengths(samples) -> list[int]:
     """Tokens (prompt + response) of each sample: what a token budget counts."""
     return [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+
+
+def micro_batches(tf: TeacherForcing, rows: list[int], samples) -> list[list[int]]:
+    """`rows` (indices into `samples`) split into micro-batches: by count (consecutive), or by
+    the token budget. A budget needs one process: sharded data-parallel ranks must all run the
+    same number of passes (distributed.idle_passes counts them by micro_batch_size)."""
+    if tf.max_tokens and world()[1] > 1:
+        raise ConfigError(f"actor.max_tokens_per_micro_batch={tf.max_tokens} needs placement.actor_ranks=1 and "
+                          f"critic_ranks=1 (this process is one of {world()[1]} ranks)",
+                          "actor.max_tokens_per_micro_batch")
+    return [[rows[i] for i in part] for part in tf.micro_batches(sample_lengths([samples[r] for r in rows]))]
 
 
 def clone_state(x):

@@ -13,7 +13,7 @@ from sealrl.models import precision
 from sealrl.models.critic import CriticModel
 from sealrl.models.packing import TeacherForcing
 from sealrl.roles import common
-from sealrl.roles.common import lr_at, optimizer_step, pad_width, sample_lengths
+from sealrl.roles.common import lr_at, optimizer_step, pad_width
 from sealrl.roles.distributed import all_reduce_sums, idle_passes, own_rows
 
 if TYPE_CHECKING:
@@ -46,8 +46,7 @@ class Critic:
                                   [list(s.response_ids) for s in samples], self.pad_id)
 
     def _micro_batches(self, rows: list[int], samples) -> list[list[int]]:
-        """`rows` split into micro-batches: by count (consecutive), or by the token budget."""
-        return [[rows[i] for i in p] for p in self.tf.micro_batches(sample_lengths([samples[r] for r in rows]))]
+        return common.micro_batches(self.tf, rows, samples)
 
     def compute(self, batch: ExperienceBatch) -> None:
         """Values of every response state, and of the state after the last token."""

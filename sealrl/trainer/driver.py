@@ -16,6 +16,7 @@ from sealrl.config import Config
 from sealrl.models.hf import save_causal_lm
 from sealrl.obs.metrics import MetricsLogger
 from sealrl.obs.progress import Progress
+from sealrl.sync.manifest import in_dtype
 from sealrl.trainer import drills, setup
 from sealrl.trainer.collect import generate, score
 from sealrl.trainer.evaluate import evaluate
@@ -114,7 +115,7 @@ def publish(run: Run):
     weights, verifies every checksum of the manifest, then switches its active version. A
     corrupted or missing tensor raises WeightSyncError naming it; nothing is activated."""
     with run.stage("weight_sync", "rollout"):
-        state, manifest = run.roles.actor.export()
+        state, manifest = in_dtype(*run.roles.actor.export(), run.cfg.rollout.dtype)  # checksums over what loads
         run.to(Phase.EXPORTING, manifest.version.id)
         run.to(Phase.ROLLOUT_LOADING, manifest.version.id)
         version = run.roles.rollout.load(state, manifest)
