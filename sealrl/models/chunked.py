@@ -26,6 +26,12 @@ import torch
 from torch import Tensor
 
 
+def _scaled(x: Tensor, temperature: float) -> Tensor:
+    """x / T in fp32; no pass over the (chunk, V) buffer when T = 1 (x / 1 is x exactly)."""
+    x = x.float()
+    return x if temperature == 1.0 else x / temperature
+
+
 class _ChunkedHead(torch.autograd.Function):
     """(hidden (M, H), weight (V, H), tokens (M,)) -> (log_probs (M,), entropy (M,)), chunked."""
 
@@ -37,7 +43,7 @@ class _ChunkedHead(torch.autograd.Function):
         lse = hidden.new_empty(m, dtype=torch.float32)
         mean = hidden.new_empty(m, dtype=torch.float32)
         for s in range(0, m, chunk):
-            z = (hidden[s:s + chunk] @ weight.t()).float() / temperature  # (c, V)
+            z = _scaled(hidden[s:s + chunk] @ weight.t(), temperature)  # (c, V) fp32
             lse[s:s + chunk] = torch.logsumexp(z, dim=-1)
             lp[s:s + chunk] = z.gather(-1, tokens[s:s + chunk, None])[:, 0] - lse[s:s + chunk]
             if with_entropy:
@@ -61,13 +67,13 @@ class _ChunkedHead(torch.autograd.Function):
         use_ent = ctx.with_entropy and g_ent is not None
         for s in range(0, m, chunk):
             h = hidden[s:s + chunk]
-            z = (h @ weight.t()).float() / temperature  # (c, V), recomputed
+            z = _scaled(h @ weight.t(), temperature)  # (c, V), recomputed
             p = torch.exp(z - lse[s:s + chunk, None])
             gl = g_lp[s:s + chunk, None].float()
             coeff = gl + g_ent[s:s + chunk, None].float() * (z - mean[s:s + chunk, None]) if use_ent else gl
             dz = -p * coeff
             dz.scatter_add_(1, tokens[s:s + chunk, None], gl)
-            dz = (dz / temperature).to(hidden.dtype)  # d loss / d logits
+            dz = _scaled(dz, temperature).to(hidden.dtype)  # d loss / d logits
             if need_h:
                 d_hidden[s:s + chunk] = dz @ weight
             if need_w:
