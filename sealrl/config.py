@@ -208,7 +208,7 @@ class ActorConfig:
     pack_sequences: bool = False           # packed rows: no padding, attention within each sequence only
     logit_chunk_tokens: int = 0            # LM head + log-softmax this many tokens at a time (0 = all at once)
     gradient_checkpointing: bool = False   # recompute layer activations in the backward (less memory)
-    dtype: str = "fp32"                    # fp32 | bf16 (autocast compute; fp32 master weights and AdamW state)
+    dtype: str = "fp32"                    # fp32 | bf16: autocast compute, fp32 master weights + AdamW; bf16 reference
 
     def __post_init__(self):
         _check(self.lr > 0, "actor.lr", "> 0", self.lr)
