@@ -129,6 +129,7 @@ class RolloutConfig:
     top_k: int = 0                         # top-k filter (0 = off)
     max_new_tokens: int = 8                # response budget; hitting it is a truncation
     max_retries: int = 1                   # regenerations of a failed sample before its group is dropped
+    dtype: str = "fp32"                    # fp32 | bf16: the weights the actor exports to the rollout (checksummed)
 
     def __post_init__(self):
         _check(self.n >= 1, "rollout.n", ">= 1", self.n)
@@ -136,6 +137,7 @@ class RolloutConfig:
         _check(0 < self.top_p <= 1, "rollout.top_p", "in (0, 1]", self.top_p)
         _check(self.top_k >= 0, "rollout.top_k", ">= 0", self.top_k)
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", self.max_new_tokens)
+        _check(self.dtype in ("fp32", "bf16"), "rollout.dtype", "fp32 | bf16", self.dtype)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -223,9 +225,17 @@ class ActorConfig:
     clip_cov_bounds: tuple[float, float] = (1.0, 5.0)  # loss=clip_cov: covariance window (lb, ub) of candidates
     kl_cov_coef: float = 1.0               # loss=kl_cov: coefficient of |log ratio| on the selected tokens
     lora: LoraConfig = field(default_factory=LoraConfig)  # actor.lora.rank > 0: train a LoRA adapter only
+    max_tokens_per_micro_batch: int = 0    # token budget per micro-batch, balanced (0 = by count); models/packing.py
+    pack_sequences: bool = False           # packed rows: no padding, attention within each sequence only
+    logit_chunk_tokens: int = 0            # LM head + log-softmax this many tokens at a time (0 = all at once)
+    gradient_checkpointing: bool = False   # recompute layer activations in the backward (less memory)
+    dtype: str = "fp32"                    # fp32 | bf16: autocast compute, fp32 master weights + AdamW; bf16 reference
 
     def __post_init__(self):
         _check(self.lr > 0, "actor.lr", "> 0", self.lr)
+        for key in ("max_tokens_per_micro_batch", "logit_chunk_tokens"):
+            _check(getattr(self, key) >= 0, f"actor.{key}", ">= 0 (0 = off)", getattr(self, key))
+        _check(self.dtype in ("fp32", "bf16"), "actor.dtype", "fp32 | bf16", self.dtype)
         _check(self.lr_schedule in ("constant", "cosine", "linear"), "actor.lr_schedule",
                "constant | cosine | linear", self.lr_schedule)
         _check(self.ppo_epochs >= 1, "actor.ppo_epochs", ">= 1", self.ppo_epochs)
@@ -255,9 +265,12 @@ class CriticConfig:
     grad_clip: float = 1.0                 # critic max grad norm (0 = off)
     warmup_steps: int = 0                  # critic linear warm-up
     lora: LoraConfig = field(default_factory=LoraConfig)  # critic.lora.rank > 0: adapter + value head trained
+    gradient_checkpointing: bool = False   # recompute backbone activations in the backward
+    dtype: str = "fp32"                    # fp32 | bf16 (autocast compute; fp32 master weights and AdamW state)
 
     def __post_init__(self):
         _check(self.lr > 0, "critic.lr", "> 0", self.lr)
+        _check(self.dtype in ("fp32", "bf16"), "critic.dtype", "fp32 | bf16", self.dtype)
 
 
 REWARD_BUILTINS = ("auto", "arith", "countdown", "math", "format", "code_exec", "reward_model")

@@ -9,8 +9,8 @@ import torch
 
 from sealrl import algos, faults
 from sealrl.experience import ExperienceBatch, PolicyVersion, Role
+from sealrl.models import precision
 from sealrl.models.hf import model_config_hash
-from sealrl.models.logprobs import response_log_probs
 from sealrl.models.lora import adapter_scaling, adapter_state, base_state, has_lora
 from sealrl.roles import common
 from sealrl.roles.common import batch_log_probs, lr_at, optimizer_step, pad_width
@@ -33,6 +33,8 @@ class Actor:
         # LoRA: the frozen base's manifest (pinned by the rollout, named by every version and checkpoint)
         self.base = build_manifest({k: v.detach().cpu() for k, v in base_state(model).items()}, "base", 0, 0,
                                    tokenizer_hash, self.config_hash) if has_lora(model) else None
+        self.tf = common.teacher_forcing(cfg)  # micro-batches, packing, logit chunks (models/packing.py)
+        common.set_gradient_checkpointing(model, cfg.gradient_checkpointing)
         self.optimizer = self.make_optimizer()
         self.step = 0           # committed optimizer steps
         self.attempt = 0        # tries of the current update (a rolled-back update retries)
@@ -74,30 +76,37 @@ class Actor:
         batch, that step's forward is this same forward (same weights, same rows, same order),
         so it runs once with gradients on and the update reuses it (`_kept`) instead of
         running it again; the numbers written are the same."""
-        if self._single_step(len(batch)):
+        if self._single_step(len(batch)) and len(self._micro_batches(batch, torch.arange(len(batch)))) == 1:
             self.model.train()
             lp, ent = self._forward(batch, torch.arange(len(batch)))
             self._kept = (batch, version.id, lp, ent)
             batch.put("old_log_probs", lp.detach().masked_fill(~batch.token_mask(), 0.0), Role.ACTOR, version.id)
             return
         self.model.eval()
-        lp, _ = batch_log_probs(self.model, batch, self.temperature, self.pad_id, self.cfg.micro_batch_size)
+        with precision.compute(self.cfg.dtype, precision.model_device(self.model)):
+            lp, _ = batch_log_probs(self.model, batch, self.temperature, self.pad_id, self.cfg.micro_batch_size,
+                                    tf=self.tf)
         batch.put("old_log_probs", lp, Role.ACTOR, version.id)
 
     def _single_step(self, b: int) -> bool:
         """One process, one epoch, one minibatch, one micro-batch, nothing stochastic in the forward."""
         cfg = self.cfg
         return (world()[1] == 1 and cfg.ppo_epochs == 1 and (not cfg.mini_batch_size or cfg.mini_batch_size >= b)
-                and cfg.micro_batch_size >= b and not self._has_dropout)
+                and (cfg.max_tokens_per_micro_batch > 0 or cfg.micro_batch_size >= b) and not self._has_dropout)
 
     def _forward(self, batch: ExperienceBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Teacher-forced log-probs and entropy of `rows`, (len(rows), R), gradients flowing."""
         samples = [batch.samples[i] for i in rows.tolist()]
-        lp, ent, _ = response_log_probs(self.model, [list(s.prompt_ids) for s in samples],
-                                        [list(s.response_ids) for s in samples],
-                                        temperature=self.temperature, pad_id=self.pad_id, with_entropy=True)
+        with precision.compute(self.cfg.dtype, precision.model_device(self.model)):
+            lp, ent, _ = self.tf.log_probs(self.model, [list(s.prompt_ids) for s in samples],
+                                           [list(s.response_ids) for s in samples], self.temperature, self.pad_id,
+                                           with_entropy=True)
         width = batch.num_response_tokens
         return pad_width(lp, width), pad_width(ent, width)
+
+    def _micro_batches(self, batch: ExperienceBatch, rows: torch.Tensor) -> list[torch.Tensor]:
+        """`rows` split into micro-batches: by count (consecutive), or by the token budget."""
+        return [torch.tensor(p, dtype=torch.long) for p in common.micro_batches(self.tf, rows.tolist(), batch.samples)]
 
     # ---- rollback -----------------------------------------------------------------------
     def snapshot(self) -> dict:
@@ -164,8 +173,7 @@ class Actor:
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
         rows = own_rows(batch, idx)  # this rank's rows by sample id; all of idx on one process
-        for start in range(0, len(rows), cfg.micro_batch_size):
-            mi = rows[start:start + cfg.micro_batch_size]
+        for mi in self._micro_batches(batch, rows):
             # the fused old-log-prob forward covers exactly these rows (see compute_old_log_probs)
             lp, ent = kept if kept is not None else self._forward(batch, mi)
             m = mask[mi]
@@ -177,7 +185,8 @@ class Actor:
             if kl is not None:
                 kl_loss = algos.aggregate(algos.kl_penalty(lp, kl[0][mi], algo.kl_estimator), m, norm)
                 loss = loss + kl[1] * kl_loss
-                metrics["kl_loss"] = kl_loss.detach()
+                # a share of the global normaliser already, like pg_loss: it adds up (no token share)
+                totals["kl_loss"] = totals.get("kl_loss", 0.0) + float(kl_loss.detach())
             ent_term = algos.aggregate(ent, m, norm)
             if cfg.entropy_coef:
                 loss = loss - cfg.entropy_coef * ent_term

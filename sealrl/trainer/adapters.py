@@ -19,6 +19,9 @@ def wrap_models(cfg: Config, model):
     if cfg.placement.backend != "local":
         raise ConfigError("actor.lora / critic.lora need placement.backend=local: adapter sync to Ray replicas "
                           "and data-parallel ranks is not built yet", "placement.backend")
+    if cfg.actor.lora.rank and cfg.rollout.dtype != "fp32":
+        raise ConfigError(f"actor.lora with rollout.dtype={cfg.rollout.dtype}: the rollout merges the adapter into "
+                          "its fp32 base; a bf16 rollout copy of an adapter is not built yet", "rollout.dtype")
     template = weightless_template(model)
     critic = None
     if cfg.algorithm.name == "ppo":

@@ -17,6 +17,7 @@ from sealrl.models.lora import save_policy
 from sealrl.obs.metrics import MetricsLogger
 from sealrl.obs.progress import Progress
 from sealrl.sync.adapter import sync_bytes
+from sealrl.sync.manifest import in_dtype
 from sealrl.trainer import drills, setup
 from sealrl.trainer.collect import generate, score
 from sealrl.trainer.dynamic import oversample
@@ -119,7 +120,7 @@ def publish(run: Run):
     weights, verifies every checksum of the manifest, then switches its active version. A
     corrupted or missing tensor raises WeightSyncError naming it; nothing is activated."""
     with run.stage("weight_sync", "rollout"):
-        state, manifest = run.roles.actor.export()
+        state, manifest = in_dtype(*run.roles.actor.export(), run.cfg.rollout.dtype)  # checksums over what loads
         run.sync_bytes = sync_bytes(state)   # with LoRA, the adapter's tensors only
         run.to(Phase.EXPORTING, manifest.version.id)
         run.to(Phase.ROLLOUT_LOADING, manifest.version.id)

@@ -25,6 +25,7 @@ from sealrl.experience import SamplingContract, digest
 from sealrl.models.hf import load_causal_lm, model_config_hash, padding_id, tokenizer_hash
 from sealrl.obs.timeline import StageTimer
 from sealrl.roles.actor import Actor
+from sealrl.roles.common import teacher_forcing
 from sealrl.roles.critic import Critic
 from sealrl.roles.reference import Reference
 from sealrl.roles.reward import Reward
@@ -212,7 +213,8 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
     elif cfg.algorithm.kl_coef > 0:  # no reference model is loaded when the KL coefficient is 0
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         ref_version = build_manifest(state, "reference", 0, 0, tok_hash, model_config_hash(model.config)).version
-        reference = Reference(model, ref_version, temperature, pad, cfg.actor.micro_batch_size)
+        reference = Reference(model, ref_version, temperature, pad, cfg.actor.micro_batch_size,
+                              tf=teacher_forcing(cfg.actor), dtype=cfg.actor.dtype)
     critic = None
     if cfg.algorithm.name == "ppo":
         from sealrl.models.critic import CriticModel
@@ -220,7 +222,7 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
             torch.manual_seed(cfg.run.seed + 1)
             critic_model = CriticModel.from_causal_lm(model)   # backbone copied from the policy, new head
         make_critic = functools.partial(Critic, critic_model, cfg.critic, pad, cfg.actor.micro_batch_size,
-                                        cfg.actor.loss_agg, horizon)
+                                        cfg.actor.loss_agg, horizon, tf=teacher_forcing(cfg.actor))
         critic = make_critic()
         if cfg.placement.critic_ranks > 1:
             critic = data_parallel_role(cfg, "critic", make_critic, critic, closers)
