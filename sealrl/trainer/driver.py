@@ -19,7 +19,7 @@ from sealrl.obs.progress import Progress
 from sealrl.sync.adapter import sync_bytes
 from sealrl.sync.manifest import in_dtype
 from sealrl.trainer import drills, setup
-from sealrl.trainer.collect import generate, score
+from sealrl.trainer.collect import decode_and_score, generate
 from sealrl.trainer.dynamic import oversample
 from sealrl.trainer.evaluate import evaluate
 from sealrl.trainer.inputs import check_inputs, write_dropped_rows
@@ -144,12 +144,7 @@ def run_iteration(run: Run, it: int, version) -> dict:
         groups = generate(run, ledger, requests, version)
     served = roles.rollout.take_served()   # a replica pool: which replica served which sample id
     with run.stage("reward", "reward"):
-        texts = {s.sample_id: roles.tokenizer.decode(list(s.response_ids), skip_special_tokens=True)
-                 for ss in groups.values() for s in ss}   # decoded once, for the reward and the record
-        items = {s.sample_id: (s, prompt_of(g).text, texts[s.sample_id], prompt_of(g).ground_truth,
-                               prompt_of(g).data_source, prompt_of(g).extra_info)
-                 for g, ss in groups.items() for s in ss}
-        records, kept = score(run, ledger, groups, items)
+        texts, records, kept = decode_and_score(run, ledger, groups, prompt_of)
     if cfg.algorithm.dynamic_sampling:   # DAPO: filter zero-variance groups, over-sample more rounds
         kept = oversample(run, it, version, ledger, groups, records, kept, prompt_map, texts, served)
     if cfg.algorithm.name == "remax":    # ReMax: the reward of a greedy response per prompt is the baseline

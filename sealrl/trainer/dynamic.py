@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from sealrl.experience import RewardRecord
 from sealrl.rollout.engine import RolloutSample
-from sealrl.trainer.collect import generate, score
+from sealrl.trainer.collect import decode_and_score, generate
 from sealrl.trainer.derive import training_scores
 from sealrl.trainer.ledger import IterationLedger, new_iteration
 from sealrl.trainer.state import StageFailed
@@ -61,11 +61,7 @@ def oversample(run, it: int, version, ledger: IterationLedger, groups: dict, rec
             new_groups = generate(run, extra, requests, version)
         served += roles.rollout.take_served()
         with run.stage("reward", "reward"):
-            new_texts = {s.sample_id: roles.tokenizer.decode(list(s.response_ids), skip_special_tokens=True)
-                         for ss in new_groups.values() for s in ss}
-            items = {s.sample_id: (s, prompts[g].text, new_texts[s.sample_id], prompts[g].ground_truth,
-                                   prompts[g].data_source) for g, ss in new_groups.items() for s in ss}
-            new_records, new_kept = score(run, extra, new_groups, items)
+            new_texts, new_records, new_kept = decode_and_score(run, extra, new_groups, prompts.__getitem__)
         ledger.absorb(extra, round_)
         groups.update(new_groups)
         records.update(new_records)

@@ -14,6 +14,7 @@ import torch
 
 from sealrl.experience import ExperienceBatch, Role, StopReason
 from sealrl.rollout.engine import GenerationRequest, RolloutSample
+from sealrl.trainer.collect import reward_item
 from sealrl.trainer.ledger import IterationLedger, request_seed
 
 
@@ -52,8 +53,7 @@ def greedy_baselines(run, it: int, version, ledger: IterationLedger, kept: dict[
     texts = {g: roles.tokenizer.decode(list(s.response_ids), skip_special_tokens=True) for g, s in greedy.items()}
     with run.stage("remax_reward", "reward"):
         try:
-            pairs = dict(roles.reward.score([(s, prompts[g].text, texts[g], prompts[g].ground_truth,
-                                              prompts[g].data_source) for g, s in greedy.items()]))
+            pairs = dict(roles.reward.score([reward_item(s, prompts[g], texts[g]) for g, s in greedy.items()]))
         except Exception as e:  # noqa: BLE001 - no baseline: the groups are dropped, naming why
             ledger.failures.append(f"remax greedy reward: {type(e).__name__}: {e}")
             pairs = {}
