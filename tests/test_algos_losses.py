@@ -208,7 +208,7 @@ def test_policy_gradient_golden():
 def test_registry_on_policy_ppo_has_pg_gradient():
     log_prob, _, adv, mask = _ppo_batch()
     norm = make_normaliser(mask, "token-mean")
-    assert set(POLICY_LOSSES) == {"clip", "gspo", "pg"}
+    assert {"clip", "gspo", "pg"} <= set(POLICY_LOSSES)
     grads = {}
     for name in ("clip", "pg"):
         lp = log_prob.detach().clone().requires_grad_()

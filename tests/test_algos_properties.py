@@ -41,6 +41,12 @@ def test_permuting_samples_never_changes_their_advantage(batch):
     base_p = A.reinforce_pp_baseline_advantages(scores[perm], groups[perm], mask[perm],
                                                 kl_rewards[perm])
     assert_close(base_p, base[perm])
+    lengths = mask.sum(-1)
+    assert_close(A.opo_advantages(scores[perm], groups[perm], lengths[perm]),
+                 A.opo_advantages(scores, groups, lengths)[perm])
+    assert_close(A.gpg_advantages(scores[perm], groups[perm]), A.gpg_advantages(scores, groups)[perm])
+    # a tie for the best has margin 0, so which tied sample "wins" cannot matter
+    assert_close(A.passk_advantages(scores[perm], groups[perm]), A.passk_advantages(scores, groups)[perm])
 
 
 def _policy_loss(name):
@@ -157,7 +163,10 @@ def test_no_tensor_is_created_off_the_input_device():
                     A.reinforce_pp_advantages(x, mask),
                     A.reinforce_pp_baseline_advantages(s, groups, mask, x),
                     A.whiten(x, mask, shift_mean=False), A.broadcast_to_tokens(s, mask),
-                    A.shaped_token_rewards(s, x, mask, 0.1), A.entropy_from_logits(x)]
+                    A.shaped_token_rewards(s, x, mask, 0.1), A.entropy_from_logits(x),
+                    A.remax_advantages(x, s, mask), A.opo_advantages(s, groups, mask.sum(-1)),
+                    A.gpg_advantages(s, groups), A.passk_advantages(s, groups), A.sum_pi_squared_from_logits(x),
+                    A.optimal_token_baseline_advantages(x, mask, groups, -y.abs(), y.abs())]
         outputs += [A.kl_penalty(x, y, kind) for kind in A.KL_ESTIMATORS]
         outputs += [A.aggregate(x, mask, A.make_normaliser(mask, mode)) for mode in A.AGG_MODES]
         for fn in A.POLICY_LOSSES.values():

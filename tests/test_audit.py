@@ -15,7 +15,7 @@ from sealrl import faults
 from sealrl.audit import CHECK_NAMES, add_parser, audit_run
 from sealrl.config import build_config
 from sealrl.experience.ids import digest
-from sealrl.rewards.verifiers import ArithmeticExactMatch
+from sealrl.rewards.verifiers import answer_text
 from sealrl.trainer import driver as driver_module
 from sealrl.trainer import setup as trainer_setup
 from sealrl.trainer.driver import train
@@ -24,15 +24,16 @@ BASE = ["run.iterations=3", "run.progress=false", "run.loggers=", "data.num_trai
         "data.prompts_per_iter=4", "rollout.n=4", "rollout.max_new_tokens=5", "actor.micro_batch_size=16",
         "actor.lr=1e-3", "run.seed=1"]
 
+FLAKY = ["reward.fn=tests.test_audit:flaky_arith"]   # a user reward function, from config
 RUNS = {
     "grpo_kl": ["algorithm.kl_coef=0.05"],
     "ppo": ["algorithm.name=ppo", "algorithm.kl_coef=0.05", "algorithm.kl_in=reward",
             "actor.ppo_epochs=2", "actor.mini_batch_size=8"],
     # errored rewards kept with the explicit penalty, soft overlong, old = rollout (bypass)
-    "penalty": ["algorithm.reward_error=penalty", "algorithm.reward_error_penalty=-0.5",
+    "penalty": [*FLAKY, "algorithm.reward_error=penalty", "algorithm.reward_error_penalty=-0.5",
                 "algorithm.overlong=soft", "algorithm.overlong_buffer=2", "rollout.max_new_tokens=4",
                 "algorithm.old_log_prob=bypass"],
-    "drop": ["algorithm.reward_error=drop_group"],
+    "drop": [*FLAKY, "algorithm.reward_error=drop_group"],
     # filtered sampling records filtered_log_probs too
     "rloo_top_k": ["algorithm.name=rloo", "rollout.top_k=5", "rollout.top_p=0.9", "actor.loss=pg"],
     # recovered faults (FAULTS): a failed generate call regenerated, a reward-role failure
@@ -40,18 +41,14 @@ RUNS = {
     "faults": ["algorithm.reward_error=retry"],
 }
 FAULTS = "generate@2:raise,reward@1:raise,update@1:raise"
-FLAKY = {"penalty", "drop"}
-REAL_REWARD_FN = trainer_setup.build_reward_fn
 
 
-class FlakyArith(ArithmeticExactMatch):
+def flaky_arith(response, ground_truth, sample_id):
     """The arithmetic verifier, but candidate 1 of every other prompt gets no valid score."""
-
-    def __call__(self, sample):
-        group, _, cand = sample.sample_id.rpartition("/")
-        if cand == "1" and int(digest(group), 16) % 2 == 0:
-            return None        # an error record, not a score
-        return super().__call__(sample)
+    group, _, cand = sample_id.rpartition("/")
+    if cand == "1" and int(digest(group), 16) % 2 == 0:
+        return None        # an error record, not a score
+    return float(answer_text(response) == str(ground_truth).strip())
 
 
 def _train(out: Path, name: str, extra: list[str]) -> Path:
@@ -65,8 +62,6 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     made = {}
     with pytest.MonkeyPatch.context() as mp:
         for name, extra in RUNS.items():
-            scorer = (lambda cfg: FlakyArith()) if name in FLAKY else REAL_REWARD_FN
-            mp.setattr(trainer_setup, "build_reward_fn", scorer)
             mp.setattr(faults, "_fired", set())      # entries fire once per process
             if name == "faults":
                 mp.setenv("SEALRL_FAULTS", FAULTS)

@@ -171,3 +171,35 @@ def test_prompts_from_rows_validates_the_same_way():
         prompts_from_rows([row()], TOK, 16, on_bad_row="skip")
     with pytest.raises(ValueError, match="unsupported extension"):
         load_prompts("data.csv", TOK, 16)
+
+
+def test_embedded_vocabulary_is_printable_ascii_with_the_arithmetic_ids_unmoved():
+    # Ids by hand: 4 special tokens, then digits (4..13), the 19 operator/punctuation characters
+    # ("+" is 14, "\n" is 32), a..z (33..58), A..Z (59..84); the appended characters follow in
+    # string.punctuation order from 85 ("#"), and the tab is last (100).
+    vocab = TOK.get_vocab()
+    assert len(vocab) == 101
+    assert [vocab[c] for c in "0+=\naA"] == [4, 14, 18, 32, 33, 59]
+    assert [vocab[c] for c in "#$%&@[\\]^_`{|}~\t"] == list(range(85, 101))
+    text = "Q: 3 #### {x}_1^2 $\\frac{1}{2}$ [a|b] ~ @50% & `c`\t!"
+    ids = TOK(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text) and TOK.unk_token_id not in ids and TOK.decode(ids) == text
+
+
+def test_gsm8k_and_latex_prompts_load(tmp_path):
+    rows = [row(content="Tom has 3 + 4 pens.\n####", id="a"),
+            row(content="What is $\\frac{1}{2}$ of {8}?", id="b")]
+    ps = load_prompts(write_raw_jsonl(tmp_path / "g.jsonl", rows), TOK, 64)
+    assert [p.text for p in ps] == ["Tom has 3 + 4 pens.\n####", "What is $\\frac{1}{2}$ of {8}?"]
+
+
+def test_unknown_character_refusal_names_it_the_row_and_the_way_out(tmp_path):
+    path = write_raw_jsonl(tmp_path / "d.jsonl", [row(), row(content="3\u00d74 = ?\r\u00d7")])
+    with pytest.raises(DatasetError) as err:
+        load_prompts(path, TOK, 16)
+    assert str(err.value) == (
+        f"{path}: row 1 (line 2): field 'prompt': characters outside the vocabulary of the model's "
+        "tokenizer: '\u00d7' (U+00D7), '\\r' (U+000D); use a model whose tokenizer covers them "
+        "(model.path=<local Hugging Face folder>), replace them in the data, or skip such rows "
+        "(data.on_bad_row=drop); got '3\u00d74 = ?\\r\u00d7'")
+    assert err.value.reason == "unknown_token"

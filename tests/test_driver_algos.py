@@ -36,6 +36,15 @@ CASES = {
                                  "actor.lr_schedule=cosine", "actor.warmup_steps=1"],
     "gspo": ["actor.loss=gspo", "actor.clip_low=3e-4", "actor.clip_high=4e-4", "actor.loss_agg=seq-mean-token-mean"],
     "pg_top_k": ["actor.loss=pg", "rollout.top_k=5", "rollout.top_p=0.9"],
+    # verl's estimators and loss modes (sealrl.algos.baselines, .surrogates)
+    "remax": ["algorithm.name=remax", "algorithm.kl_coef=0.05", "algorithm.kl_in=reward"],
+    "opo_sapo": ["algorithm.name=opo", "actor.loss=sapo", "actor.loss_agg=seq-mean-token-mean"],
+    "gpg": ["algorithm.name=gpg", "actor.loss=pg"],
+    "passk_cispo": ["algorithm.name=grpo_passk", "actor.loss=cispo"],
+    "otb_gmpo": ["algorithm.name=optimal_token_baseline", "actor.loss=gmpo", "actor.clip_low=0.4",
+                 "actor.clip_high=0.4", "actor.loss_agg=seq-mean-token-mean"],
+    "clip_cov": ["actor.loss=clip_cov", "actor.cov_ratio=0.2"],
+    "kl_cov": ["actor.loss=kl_cov", "actor.cov_ratio=0.2"],
 }
 
 
@@ -88,6 +97,7 @@ def test_algorithm_runs_and_records_provenance(tmp_path, name):
         assert fields["ref_log_probs"]["version"].startswith("reference@0.0#")
     assert ("values" in fields) == ("returns" in fields) == (cfg.algorithm.name == "ppo")
     assert ("filtered_log_probs" in fields) == (cfg.rollout.top_k > 0)
+    assert ("sum_pi_squared" in fields) == (cfg.algorithm.name == "optimal_token_baseline")
     assert rows[1]["actor/lr"] > 0 and rows[0]["groups/committed"] == 4
     report = audit_run(run)
     assert report.ok, report.summary()

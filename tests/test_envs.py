@@ -11,9 +11,9 @@ from sealrl.envs import EnvLoadError, EnvStep, make_env
 from sealrl.envs.calc import calculator
 from sealrl.envs.guess import GuessEnv
 from sealrl.envs.tools import ToolEnv
-from sealrl.envs.verifiers import GuessVerifier, ToolAnswerMatch
 from sealrl.experience.episode import EnvStatus
 from sealrl.rewards.base import RewardSample
+from sealrl.rewards.episodes import GuessVerifier, ToolAnswerMatch
 
 
 def raising(args: str) -> str:

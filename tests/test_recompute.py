@@ -130,6 +130,9 @@ def test_ppo_kl_coef_changes_token_rewards_and_returns(runs):
     ("algorithm.reward_error=retry", "algorithm.reward_error"),
     ("algorithm.kl_coef=0.1", "reference"),         # kl_in is loss in this run: check below
     ("algorithm.name=ppo", "critic values"),
+    ("algorithm.name=remax", "greedy baselines"),
+    ("algorithm.name=optimal_token_baseline", "sum_pi_squared"),
+    ("algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling"),
     ("algorithm.no_such_key=1", "algorithm.no_such_key"),
 ])
 def test_keys_that_need_new_facts_are_refused(runs, override, words):

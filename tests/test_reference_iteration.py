@@ -134,8 +134,12 @@ def test_ppo_iteration_matches_plain_reference(tmp_path):
     assert abs(float(pg_loss) - metrics["actor/pg_loss"]) <= 1e-6
     c_norm = _clip_and_adamw(list(critic.parameters()), critic_lr)
     a_norm = _clip_and_adamw(list(model.parameters()), LR)
-    assert abs(c_norm - metrics["critic/grad_norm"]) <= 1e-6 * max(1.0, c_norm)
-    assert abs(a_norm - metrics["actor/grad_norm"]) <= 1e-6 * max(1.0, a_norm)
+    # The norms sum ~1.1M squared gradients, each built here token by token and in the actor
+    # batched: fp32 rounding of order sqrt(N) * eps (~1e-5 relative at worst) separates them.
+    # 1e-6 held for the 81-character warm start by luck (the 101-character one gives 1.6e-6).
+    # The parameters after the step, which is what the norm feeds, are still held to 1e-6.
+    assert abs(c_norm - metrics["critic/grad_norm"]) <= 1e-5 * max(1.0, c_norm)
+    assert abs(a_norm - metrics["actor/grad_norm"]) <= 1e-5 * max(1.0, a_norm)
     _assert_params(model, run / "checkpoints" / "step_1" / "actor_model.safetensors")
     saved = load_file(str(run / "checkpoints" / "step_1" / "critic_model.safetensors"))
     for name, prm in critic.named_parameters():

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest  # already imported by workers through tests.test_rewards_pool
 
 from sealrl.rewards.base import RewardSample
-from sealrl.rewards.verifiers import ArithmeticExactMatch
+from sealrl.rewards.verifiers import ArithmeticExactMatch, answer_text
 from tests.test_rewards_pool import child_pids
 
 pytestmark = pytest.mark.slow   # fault drills through the driver
@@ -39,14 +39,11 @@ def slow(sample_id: str) -> bool:
     return not sample_id.startswith("eval/") and zlib.crc32(sample_id.encode()) % 5 == 0
 
 
-class SlowOneInFive:
-    name = "slow_one_in_five"
-    version = "1"
-
-    def __call__(self, sample: RewardSample) -> float:
-        if slow(sample.sample_id):
-            time.sleep(600)   # far past the deadline: only the pool's SIGKILL ends this call
-        return ArithmeticExactMatch()(sample)
+def slow_one_in_five(response, ground_truth, sample_id) -> float:
+    """A user reward function (reward.fn=tests.test_reward_faults:slow_one_in_five)."""
+    if slow(sample_id):
+        time.sleep(600)   # far past the deadline: only the pool's SIGKILL ends this call
+    return float(answer_text(response) == str(ground_truth).strip())
 
 
 class BadBatchScorer:
@@ -68,25 +65,25 @@ class BadBatchScorer:
         return scores[:-1] if short else scores
 
 
-class HangsOnIteration1:
+def hangs_on_iteration_1(response, ground_truth, sample_id) -> float:
     """Never returns on iteration 1's training samples; writes its worker pid where the test looks."""
-
-    name = "hangs_on_iteration_1"
-    version = "1"
-
-    def __call__(self, sample: RewardSample) -> float:
-        if sample.sample_id.split("/")[1] == "1" and not sample.sample_id.startswith("eval/"):
-            with open(os.environ["HANG_PIDS"], "a") as f:
-                f.write(f"{os.getpid()}\n")
-            time.sleep(600)
-        return ArithmeticExactMatch()(sample)
+    if sample_id.split("/")[1] == "1" and not sample_id.startswith("eval/"):
+        with open(os.environ["HANG_PIDS"], "a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(600)
+    return float(answer_text(response) == str(ground_truth).strip())
 
 
 def _train(tmp_path, monkeypatch, scorer, *extra):
+    """Train with `scorer`: a reward.fn value, or a scorer object the config cannot name (a batch
+    scorer), put in place of the config's."""
     from sealrl.config import build_config
     from sealrl.trainer import setup
     from sealrl.trainer.driver import train
-    monkeypatch.setattr(setup, "build_reward_fn", lambda cfg: scorer)
+    if isinstance(scorer, str):
+        extra = (f"reward.fn={scorer}", *extra)
+    else:
+        monkeypatch.setattr(setup, "build_reward_fn", lambda cfg: scorer)
     return train(build_config(None, ARGS + [f"run.output_dir={tmp_path}", *extra]))
 
 
@@ -106,7 +103,8 @@ def test_one_reward_call_in_five_times_out(tmp_path, monkeypatch):
     before = child_pids()
     # 6 workers: an iteration's slow calls (2 to 6 of 12 here) wait out their deadlines side by
     # side, not one after another
-    summary = _train(tmp_path, monkeypatch, SlowOneInFive(), "reward.num_scorers=6", f"reward.timeout_s={TIMEOUT_S}")
+    summary = _train(tmp_path, monkeypatch, "tests.test_reward_faults:slow_one_in_five", "reward.num_scorers=6",
+                     f"reward.timeout_s={TIMEOUT_S}")
     assert child_pids() - before == set()          # every killed and every idle worker reaped
     run = tmp_path / "t"
     assert summary["completed"] and summary["iterations"] == 4
@@ -120,7 +118,8 @@ def test_one_reward_call_in_five_times_out(tmp_path, monkeypatch):
             if slow(r["sample_id"]):
                 assert r["reward_status"] == "timeout" and r["reward_total"] is None
                 assert f"no result within the {TIMEOUT_S:g} s deadline" in r["reward_message"]
-                assert "scorer 'slow_one_in_five'" in r["reward_message"] and "killed" in r["reward_message"]
+                assert "scorer 'tests.test_reward_faults:slow_one_in_five'" in r["reward_message"]
+                assert "killed" in r["reward_message"]
             else:
                 assert r["reward_status"] == "ok" and r["reward_total"] is not None
         timeouts = sum(slow(r["sample_id"]) for r in stored)
@@ -163,13 +162,13 @@ def _running(pid: int) -> bool:
 def test_stage_watchdog_ends_a_hung_reward_stage_and_its_workers(tmp_path):
     # The pool's own deadline (600 s) is longer than the stage's (10 s): the watchdog ends the run.
     pids = tmp_path / "pids"
-    script = ("import sys; from sealrl.trainer import setup; from tests.test_reward_faults import ARGS, "
-              "HangsOnIteration1; setup.build_reward_fn = lambda cfg: HangsOnIteration1(); "
+    script = ("import sys; from tests.test_reward_faults import ARGS; "
               "from sealrl.config import build_config; from sealrl.trainer.driver import train; "
               "train(build_config(None, ARGS + sys.argv[1:]))")
     # A stage's normal work here takes < 0.1 s; the hung scorer sleeps 600 s.
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-c", script, f"run.output_dir={tmp_path}", "reward.num_scorers=2",
+                          "reward.fn=tests.test_reward_faults:hangs_on_iteration_1",
                           "reward.timeout_s=600", "run.stage_timeout_s=10"], cwd=Path(__file__).parent.parent,
                          env=dict(os.environ, HANG_PIDS=str(pids)), capture_output=True, text=True, timeout=400)
     assert time.monotonic() - t0 < 300   # an orphaned worker (600 s) would hold the pipes open: TimeoutExpired

@@ -8,7 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from sealrl.experience.records import SamplingContract
 from sealrl.models.hf import model_config_hash, tokenizer_hash
@@ -36,6 +45,10 @@ def build(name: str, vocab: int):
                 "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 16}, **SPECIAL))
+    elif name == "gpt-neox":
+        model = GPTNeoXForCausalLM(GPTNeoXConfig(
+            vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=128, **SPECIAL))
     else:
         model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4,
                                            n_positions=128, **SPECIAL))
@@ -50,7 +63,7 @@ def build(name: str, vocab: int):
 
 @pytest.mark.parametrize("name, backend", [("qwen2-gqa-tied", "LeanBackend"),
                                            ("llama-mqa-bias-llama3-rope", "LeanBackend"),
-                                           ("gpt2", "HFBackend")])
+                                           ("gpt2", "HFBackend"), ("gpt-neox", "HFBackend")])
 def test_rollout_log_probs_equal_teacher_forced(name, backend):
     tokenizer = build_char_tokenizer()
     model = build(name, len(tokenizer))
@@ -72,6 +85,26 @@ def test_rollout_log_probs_equal_teacher_forced(name, backend):
         for b, s in enumerate(samples):
             got = torch.tensor(s.rollout_log_probs)
             assert (got - lp[b, :len(got)]).abs().max() <= 1e-5, (name, temperature, b)
+
+
+def test_the_hf_fallback_is_announced_once_in_one_line(capsys):
+    """An architecture the lean forward lacks still trains (parity above); the user is told,
+    once per engine and not once per weight version, why decoding is slower."""
+    tokenizer = build_char_tokenizer()
+    model = build("gpt-neox", len(tokenizer))
+    engine = RolloutEngine(model, tokenizer)
+    manifest = build_manifest(model.state_dict(), "run", 0, 0, tokenizer_hash(tokenizer),
+                              model_config_hash(model.config))
+    engine.load_weights(model.state_dict(), manifest)
+    engine.load_weights(model.state_dict(), build_manifest(model.state_dict(), "run", 1, 0,
+                                                           tokenizer_hash(tokenizer),
+                                                           model_config_hash(model.config)))
+    err = capsys.readouterr().err
+    assert err == ("sealrl: rollout runs GPTNeoXForCausalLM on the HF forward, not the lean one "
+                   "(model_type 'gpt_neox' is not llama/qwen2); same numbers, slower decoding\n")
+    RolloutEngine(build("qwen2-gqa-tied", len(tokenizer)), tokenizer)   # lean: nothing said
+    RolloutEngine(model, tokenizer, prefer_lean=False)                  # asked for: nothing said
+    assert capsys.readouterr().err == ""
 
 
 def test_lean_prefill_logits_equal_the_hf_forward():

@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 # algorithm.name: the advantage estimator (ppo = GAE with a critic); trainer/derive.py applies it
-ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo")
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo",
+                        "remax", "opo", "gpg", "grpo_passk", "optimal_token_baseline")   # these five: baselines.py
 
 
 def broadcast_to_tokens(adv: Tensor, mask: Tensor) -> Tensor:

@@ -243,10 +243,7 @@ def _pg_loss_uniform(log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
     return policy_gradient_loss(log_prob, advantages, response_mask, normaliser, is_weights)
 
 
-POLICY_LOSSES = {"clip": ppo_clip_loss, "gspo": gspo_loss, "pg": _pg_loss_uniform}
-"""name -> fn(log_prob, old_log_prob, advantages, response_mask, normaliser, **kwargs)
-returning (loss, metrics). kwargs: clip: clip_low, clip_high, dual_clip, is_weights;
-gspo: clip_low, clip_high, is_weights; pg: is_weights."""
+# The table of every policy loss, POLICY_LOSSES, is in sealrl.algos.surrogates.
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mask: Tensor,

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import json
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Callable, Iterator
 
 from sealrl.audit.episodes import check_episodes
 from sealrl.audit.folder import IterationFile, RunFolder
 from sealrl.audit.report import Violation
+from sealrl.config import ConfigError
 from sealrl.experience.fields import FIELDS, Align
 from sealrl.experience.ids import PolicyVersion, group_id, split_sample_id
 from sealrl.experience.store import read_iteration
+from sealrl.rewards.from_config import components
 
 Check = Callable[[RunFolder], Iterator[Violation]]
 
@@ -253,6 +255,8 @@ def check_provenance(run: RunFolder) -> Iterator[Violation]:
             yield v(f"algorithm.kl_coef={algo.kl_coef} but no ref_log_probs were recorded")
         if algo.name == "ppo" and "values" not in fields:
             yield v("PPO run without critic values")
+        if algo.name == "remax" and "baseline_scores" not in fields:
+            yield v("ReMax run without baseline_scores (the greedy responses' rewards)")
         if "reward_records" in fields:
             versions = {f"{s}@{ver}" for s, ver in zip(c.get("reward_scorer", ()), c.get("reward_scorer_version", ()))}
             if fields["reward_records"].get("version") and versions != {fields["reward_records"]["version"]}:
@@ -285,8 +289,9 @@ def _old_log_probs(f: IterationFile, fields: dict, policy: str | None, configure
 def check_rewards(run: RunFolder) -> Iterator[Violation]:
     """An error is not a score: errored records carry no total and reach the loss only as the
     explicit penalty of reward_error=penalty; ok rows are scored by their total (minus the soft
-    overlong penalty, within its bound)."""
+    overlong penalty, within its bound); with reward.components, a total is their weighted sum."""
     algo = run.cfg.algorithm
+    yield from _weighted_sums(run)
     for f in run.readable:
         c = f.cols
         missing = [k for k in ("reward_status", "reward_total", "scores") if k not in c]
@@ -328,9 +333,35 @@ def check_rewards(run: RunFolder) -> Iterator[Violation]:
                         f"({len(c['response_ids'][i])} tokens) ends before the overlong buffer (token {free})")
 
 
+def _weighted_sums(run: RunFolder) -> Iterator[Violation]:
+    """With reward.components, every ok record outside reward.route holds each component's
+    value, and its total is the weighted sum of them (sealrl.rewards.from_config)."""
+    try:
+        parts = components(run.cfg.reward, run.cfg.data.task)
+    except ConfigError as e:   # the config check names an edited config; a bad one cannot weigh
+        yield Violation("rewards", f"reward.components cannot be read: {e}")
+        return
+    routed = set(run.cfg.reward.route or {})
+    for f in run.readable if parts else ():
+        c = f.cols
+        for i in range(f.num_rows):
+            if c["reward_status"][i] != "ok" or c.get("data_source", [""] * f.num_rows)[i] in routed:
+                continue
+            v = lambda msg: Violation("rewards", msg, f.iteration, sample_id=c["sample_id"][i])  # noqa: E731, B023
+            values = json.loads(c["reward_components"][i]) if "reward_components" in c else {}
+            missing = [name for name, _, _ in parts if name not in values]
+            if missing:
+                yield v(f"reward record lacks the components {missing} of reward.components")
+                continue
+            total = sum(weight * values[name] for name, _, weight in parts)
+            if abs(total - c["reward_total"][i]) > SCORE_TOL * max(1.0, abs(total)):
+                yield v(f"reward total {c['reward_total'][i]} is not the weighted sum of its components {total}")
+
+
 def check_ledger(run: RunFolder) -> Iterator[Violation]:
-    """Every sampled prompt (ledger row) was trained (committed, in that iteration's file) or
-    dropped with a reason; every trained group has one committed row; none is both."""
+    """Every sampled prompt (ledger row) was trained (committed, in that iteration's file),
+    dropped with a reason, or filtered for zero variance (dynamic sampling); every trained group
+    has one committed row, and with dynamic sampling its scores vary; none is two of these."""
     for msg in run.ledger_errors:
         yield Violation("ledger", msg)
     trained: dict[tuple[int, str], IterationFile] = {(f.iteration, g): f for f in run.readable for g in f.groups}
@@ -346,8 +377,10 @@ def check_ledger(run: RunFolder) -> Iterator[Violation]:
         if len(entries) > 1:
             yield v(f"recorded {len(entries)} times ({', '.join(statuses)})")
         for e in entries:
-            if e["status"] not in ("committed", "dropped"):
-                yield v(f"status {e['status']!r} is neither committed nor dropped")
+            if e["status"] not in ("committed", "dropped", "filtered"):
+                yield v(f"status {e['status']!r} is neither committed, dropped nor filtered")
+            if e["status"] == "filtered" and not run.cfg.algorithm.dynamic_sampling:
+                yield v("filtered, but algorithm.dynamic_sampling is off: nothing filters groups")
             if g != group_id(run.run_id, it, e["prompt_id"]):
                 yield v(f"ledger group id is not run/iteration/prompt for prompt {e['prompt_id']}")
         if "dropped" in statuses:
@@ -357,6 +390,12 @@ def check_ledger(run: RunFolder) -> Iterator[Violation]:
                 yield v("dropped without a reason")
             if (it, g) in trained:
                 yield v("recorded as dropped but its samples were trained")
+        if "filtered" in statuses:
+            reasons = [str(e.get("reason", "")) for e in entries if e["status"] == "filtered"]
+            if not all(r.startswith("zero variance") for r in reasons):
+                yield v("filtered without its reason (zero variance)")
+            if (it, g) in trained:
+                yield v("recorded as filtered (zero variance) but its samples were trained")
         if "committed" in statuses and (it, g) not in trained:
             yield v("committed in the ledger but absent from the iteration's experience file")
     for (it, g), f in trained.items():
@@ -366,12 +405,30 @@ def check_ledger(run: RunFolder) -> Iterator[Violation]:
             continue
         prompt = f.cols["prompt_id"][f.groups[g][0]]
         errored = sum(f.cols["reward_status"][i] != "ok" for i in f.groups[g]) if "reward_status" in f.cols else 0
+        scores = [f.cols["scores"][i] for i in f.groups[g]] if "scores" in f.cols else []
+        if run.cfg.algorithm.dynamic_sampling and len(scores) > 1 and len(set(scores)) == 1:
+            yield Violation("ledger", f"trained group's scores are all {scores[0]}: dynamic sampling filters "
+                            "zero-variance groups", it, g)
+        yield from _remax_baseline(f, g, entries[0], it)
         for e in entries:
             if e["prompt_id"] != prompt:
                 yield Violation("ledger", f"ledger prompt {e['prompt_id']} but trained prompt {prompt}", it, g)
             if e.get("penalised", 0) != errored:
                 yield Violation("ledger", f"ledger counts {e.get('penalised', 0)} penalised samples, the file "
                                 f"holds {errored} errored rewards", it, g)
+
+
+def _remax_baseline(f: IterationFile, g: str, entry: dict, it: int) -> Iterator[Violation]:
+    """ReMax: a trained group's samples carry one baseline, its ledger row's greedy score."""
+    if "baseline_scores" not in f.cols:
+        return
+    values = {f.cols["baseline_scores"][i] for i in f.groups[g]}
+    recorded = (entry.get("baseline") or {}).get("score")
+    if recorded is None:
+        yield Violation("ledger", "trained ReMax group has no greedy baseline in its ledger row", it, g)
+    elif len(values) != 1 or abs(next(iter(values)) - recorded) > SCORE_TOL * max(1.0, abs(recorded)):
+        yield Violation("ledger", f"baseline_scores of the group {sorted(values)} are not its ledger row's "
+                        f"greedy score {recorded}", it, g)
 
 
 def _ledger_vs_sampler(run: RunFolder, rows: dict[tuple[int, str], list[dict]], last: int) -> Iterator[Violation]:
@@ -384,20 +441,49 @@ def _ledger_vs_sampler(run: RunFolder, rows: dict[tuple[int, str], list[dict]], 
         yield Violation("ledger", "run.json records no num_train_prompts: the sampler's batches cannot be replayed")
         return
     by_iter: dict[int, list[tuple[str, str]]] = defaultdict(list)      # iteration -> [(group, prompt)]
+    rows_of: dict[int, list[dict]] = defaultdict(list)                   # iteration -> its ledger rows
     for (it, g), entries in rows.items():
         by_iter[it].append((g, entries[0]["prompt_id"]))
+        rows_of[it] += entries
     seen: dict[str, tuple[int, int]] = {}        # prompt_id -> (epoch, iteration) of its last use
     sampler = replay_sampler(run.cfg, num_prompts)
     for it in range(last + 1):
-        size = len(sampler.next_batch())
-        epoch = sampler.epoch                    # of this batch (next_batch opens a new epoch first)
-        if len(by_iter[it]) != size:
-            yield Violation("ledger", f"{len(by_iter[it])} groups recorded; the sampler passed {size} prompts", it)
+        epoch = yield from _sampling_rounds(run, it, rows_of[it], sampler)
         for g, prompt in by_iter[it]:
             if prompt in seen and seen[prompt][0] == epoch:
                 yield Violation("ledger", f"prompt {prompt} sampled again in epoch {epoch} "
                                 f"(already in iteration {seen[prompt][1]})", it, g)
             seen[prompt] = (epoch, it)
+
+
+def _sampling_rounds(run: RunFolder, it: int, entries: list[dict], sampler) -> Iterator[Violation]:
+    """Replay iteration `it`'s generation rounds (round r is the sampler's next batch after round
+    r - 1; one round unless dynamic sampling): each round's ledger rows match its batch, the
+    rounds stay in one epoch, and over-sampling stopped only when it had to (data.prompts_per_iter
+    groups with signal, algorithm.max_sampling_rounds, or the epoch's end), so a trailing round
+    removed from the ledger is found. Returns the epoch of the iteration."""
+    algo, target = run.cfg.algorithm, run.cfg.data.prompts_per_iter
+    per_round = Counter(e.get("round", 0) for e in entries)
+    rounds = 1 + max(per_round, default=0)
+    if rounds > (algo.max_sampling_rounds if algo.dynamic_sampling else 1):
+        yield Violation("ledger", f"{rounds} generation rounds recorded; algorithm.dynamic_sampling="
+                        f"{algo.dynamic_sampling}, max_sampling_rounds={algo.max_sampling_rounds}", it)
+    epochs = set()
+    for r in range(rounds):
+        size = len(sampler.next_batch())
+        epochs.add(sampler.epoch)            # of this batch (next_batch opens a new epoch first)
+        if per_round[r] != size:
+            yield Violation("ledger", f"{per_round[r]} groups recorded in round {r}; the sampler passed "
+                            f"{size} prompts", it)
+    if len(epochs) > 1:
+        yield Violation("ledger", f"the iteration's {rounds} sampling rounds span epochs {sorted(epochs)}", it)
+    signal = sum(e["status"] == "committed" or str(e.get("reason", "")).startswith("remax:") for e in entries)
+    if (algo.dynamic_sampling and signal < target and rounds < algo.max_sampling_rounds
+            and sampler.cursor < sampler.num_prompts):
+        yield Violation("ledger", f"over-sampling stopped after {rounds} round(s) with {signal} of {target} "
+                        "groups with signal, before max_sampling_rounds or the epoch's end: a round is "
+                        "missing from the ledger", it)
+    return max(epochs)
 
 
 def replay_sampler(cfg, num_prompts: int):

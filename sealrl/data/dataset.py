@@ -227,9 +227,12 @@ def _render(msgs: tuple[dict, ...], source: str, r: int, tokenizer, max_prompt_t
     # A character the vocabulary lacks would train and score a different prompt than written.
     unk = tokenizer.unk_token_id
     if unk is not None and unk in ids and tokenizer.unk_token not in text:
-        bad = [c for c in text if tokenizer(c, add_special_tokens=False)["input_ids"] == [unk]]
+        bad = dict.fromkeys(c for c in text if tokenizer(c, add_special_tokens=False)["input_ids"] == [unk])
+        named = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in bad)
         raise DatasetError(source, r, "prompt", "unknown_token",
-                           f"characters outside the vocabulary: {''.join(dict.fromkeys(bad))!r}", text)
+                           f"characters outside the vocabulary of the model's tokenizer: {named}; use a model "
+                           "whose tokenizer covers them (model.path=<local Hugging Face folder>), replace them "
+                           "in the data, or skip such rows (data.on_bad_row=drop)", text)
     return text, ids
 
 

@@ -50,6 +50,8 @@ FIELDS: dict[str, FieldSpec] = {s.name: s for s in (
     _spec("old_log_probs", torch.float32, "token", [R.ACTOR, R.ROLLOUT], "fact",
           "proximal anchor of the PPO ratio: actor forward before any update (recompute), "
           "or the rollout log-probs themselves (bypass); computed once"),
+    _spec("sum_pi_squared", torch.float32, "token", [R.ACTOR], "fact",
+          "sum_v pi_old(v)^2 of the old policy at each response token (the optimal token baseline)"),
     _spec("ref_log_probs", torch.float32, "token", [R.REFERENCE], "fact",
           "log-probs of the frozen reference model; the KL anchor only"),
     _spec("values", torch.float32, "token", [R.CRITIC], "fact",
@@ -58,6 +60,8 @@ FIELDS: dict[str, FieldSpec] = {s.name: s for s in (
           "critic value of the state after the last response token (bootstrap at truncation)"),
     _spec("reward_records", None, "sample", [R.REWARD], "fact",
           "RewardRecord per sample: total, components, scorer, status, message"),
+    _spec("baseline_scores", torch.float32, "sample", [R.REWARD], "fact",
+          "ReMax: reward total of the greedy response to the sample's prompt (same version, top-k 1)"),
     _spec("scores", torch.float32, "sample", [R.DRIVER], "derived",
           "sequence score used for training, from ok reward records after the error policy"),
     _spec("token_rewards", torch.float32, "token", [R.DRIVER], "derived",

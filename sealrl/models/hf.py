@@ -48,6 +48,17 @@ def load_causal_lm(path: str | Path, trust_remote_code: bool = False,
     return model.to(device).eval(), tokenizer
 
 
+def padding_id(tokenizer, folder: str | Path) -> int:
+    """The id that fills padded positions: the tokenizer's pad token, else its eos (many
+    instruct folders define no pad token). Padded positions are masked everywhere, so only
+    a valid id is needed; a tokenizer with neither is an error naming the folder."""
+    for name in ("pad_token_id", "eos_token_id"):
+        if (i := getattr(tokenizer, name)) is not None:
+            return int(i)
+    raise UserError(f"{folder}: the tokenizer has neither a pad nor an eos token; sealrl needs an "
+                    f"eos token to end responses (set eos_token in tokenizer_config.json)")
+
+
 def save_causal_lm(model: PreTrainedModel, tokenizer, path: str | Path) -> Path:
     """Write model (safetensors) + tokenizer in the `save_pretrained` layout; returns the folder.
 

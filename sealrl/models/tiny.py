@@ -15,7 +15,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
 # Digits and operators first so the arithmetic vocabulary has small, stable ids.
-CHARACTERS = string.digits + "+-*/=()., :;?!<>'\"\n" + string.ascii_lowercase + string.ascii_uppercase
+ARITH_CHARACTERS = string.digits + "+-*/=()., :;?!<>'\"\n" + string.ascii_lowercase + string.ascii_uppercase
+# The rest of printable ASCII (GSM8K's "####", LaTeX's \ { } ^ _ $, markdown's | [ ] ...) and the
+# tab, appended so the ids above do not move. \r, \v and \f stay unknown: a row holding one is
+# refused by the dataset loader, which names the character.
+CHARACTERS = ARITH_CHARACTERS + "".join(c for c in string.punctuation if c not in ARITH_CHARACTERS) + "\t"
 # Messages are concatenated as they are: the tiny model has no roles.
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 

@@ -138,7 +138,7 @@ class ActorRank(TrainRank):
         """(sample ids, (b, R) log-probs) of this rank's shard: the actor's recompute forward."""
         shard, w = shard_batch(batch, *world()), self.worker
         w.model.eval()
-        lp, _ = batch_log_probs(w.model, shard, w.temperature, w.pad_id, w.cfg.micro_batch_size)
+        lp, _ = batch_log_probs(w.model, shard, w.temperature, w.pad_id, w.cfg.micro_batch_size, tf=w.tf)
         with torch.no_grad():   # FSDP2: as many forwards as the rank with the most rows
             for _ in range(idle_passes(w.model, batch.sample_ids, w.cfg.micro_batch_size)):
                 first = batch.samples[0]

@@ -124,7 +124,7 @@ def check_raw(raw: object) -> tuple[float, dict[str, float]] | str:
         return total, {}
     if not isinstance(raw, dict):
         return (f"returned {_short_repr(raw)} ({type(raw).__name__}); expected a finite number "
-                f"or a dict with a 'total' key")
+                f"or a dict with a 'total' key ('score' from a custom function)")
     if "total" not in raw:
         return f"returned a dict without a 'total' key: {_short_repr(raw)}"
     components: dict[str, float] = {}

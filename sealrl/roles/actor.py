@@ -9,11 +9,13 @@ import torch
 
 from sealrl import algos, faults
 from sealrl.experience import ExperienceBatch, PolicyVersion, Role
+from sealrl.models import precision
 from sealrl.models.hf import model_config_hash
-from sealrl.models.logprobs import response_log_probs
+from sealrl.models.lora import adapter_scaling, adapter_state, base_state, has_lora
 from sealrl.roles import common
 from sealrl.roles.common import batch_log_probs, lr_at, optimizer_step, pad_width
 from sealrl.roles.distributed import all_gather_cat, all_reduce_sums, idle_passes, own_rows, world
+from sealrl.sync.adapter import AdapterManifest, build_adapter_manifest
 from sealrl.sync.manifest import WeightManifest, build_manifest
 
 if TYPE_CHECKING:
@@ -28,24 +30,38 @@ class Actor:
         self.run_id, self.tokenizer_hash = run_id, tokenizer_hash
         self.temperature, self.pad_id, self.total_steps, self.horizon = temperature, pad_id, total_steps, horizon
         self.config_hash = model_config_hash(model.config)
+        # LoRA: the frozen base's manifest (pinned by the rollout, named by every version and checkpoint)
+        self.base = build_manifest({k: v.detach().cpu() for k, v in base_state(model).items()}, "base", 0, 0,
+                                   tokenizer_hash, self.config_hash) if has_lora(model) else None
+        self.tf = common.teacher_forcing(cfg)  # micro-batches, packing, logit chunks (models/packing.py)
+        common.set_gradient_checkpointing(model, cfg.gradient_checkpointing)
         self.optimizer = self.make_optimizer()
         self.step = 0           # committed optimizer steps
         self.attempt = 0        # tries of the current update (a rolled-back update retries)
         self.skipped_steps = 0  # optimizer steps skipped for a non-finite gradient
         self.iteration = 0      # the iteration being updated (names fault-injection points)
+        self.seed = 0           # the update's seed (Clip-Cov's token draw)
         self._kept = None       # (batch, version id, log-probs, entropy) of a fused old forward
         self._has_dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()) \
             or any(getattr(model.config, k, 0) for k in ("attention_dropout", "hidden_dropout", "dropout"))
 
     def make_optimizer(self) -> torch.optim.Optimizer:
-        """AdamW over the model's parameters (made again after FSDP2 replaces them with DTensors)."""
+        """AdamW over the model's trainable parameters (all of them, or with LoRA the adapter's);
+        made again after FSDP2 replaces them with DTensors."""
         cfg = self.cfg
-        return torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
                                  weight_decay=cfg.weight_decay)
 
     # ---- versions and export ------------------------------------------------------------
-    def export(self) -> tuple[dict[str, torch.Tensor], WeightManifest]:
-        """EXPORTING(v): a detached CPU copy of the weights and their manifest."""
+    def export(self) -> tuple[dict[str, torch.Tensor], WeightManifest | AdapterManifest]:
+        """EXPORTING(v): a detached CPU copy of the weights and their manifest; with LoRA only
+        the adapter's tensors, and a manifest naming the base by hash (sync/adapter.py)."""
+        if self.base is not None:
+            state = {k: v.detach().cpu().clone() for k, v in adapter_state(self.model).items()}
+            return state, build_adapter_manifest(state, adapter_scaling(self.model), self.base.version.weights_hash,
+                                                 self.run_id, self.step, self.attempt, self.tokenizer_hash,
+                                                 self.config_hash)
         state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
         manifest = build_manifest(state, self.run_id, self.step, self.attempt,
                                   self.tokenizer_hash, self.config_hash)
@@ -60,30 +76,37 @@ class Actor:
         batch, that step's forward is this same forward (same weights, same rows, same order),
         so it runs once with gradients on and the update reuses it (`_kept`) instead of
         running it again; the numbers written are the same."""
-        if self._single_step(len(batch)):
+        if self._single_step(len(batch)) and len(self._micro_batches(batch, torch.arange(len(batch)))) == 1:
             self.model.train()
             lp, ent = self._forward(batch, torch.arange(len(batch)))
             self._kept = (batch, version.id, lp, ent)
             batch.put("old_log_probs", lp.detach().masked_fill(~batch.token_mask(), 0.0), Role.ACTOR, version.id)
             return
         self.model.eval()
-        lp, _ = batch_log_probs(self.model, batch, self.temperature, self.pad_id, self.cfg.micro_batch_size)
+        with precision.compute(self.cfg.dtype, precision.model_device(self.model)):
+            lp, _ = batch_log_probs(self.model, batch, self.temperature, self.pad_id, self.cfg.micro_batch_size,
+                                    tf=self.tf)
         batch.put("old_log_probs", lp, Role.ACTOR, version.id)
 
     def _single_step(self, b: int) -> bool:
         """One process, one epoch, one minibatch, one micro-batch, nothing stochastic in the forward."""
         cfg = self.cfg
         return (world()[1] == 1 and cfg.ppo_epochs == 1 and (not cfg.mini_batch_size or cfg.mini_batch_size >= b)
-                and cfg.micro_batch_size >= b and not self._has_dropout)
+                and (cfg.max_tokens_per_micro_batch > 0 or cfg.micro_batch_size >= b) and not self._has_dropout)
 
     def _forward(self, batch: ExperienceBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Teacher-forced log-probs and entropy of `rows`, (len(rows), R), gradients flowing."""
         samples = [batch.samples[i] for i in rows.tolist()]
-        lp, ent, _ = response_log_probs(self.model, [list(s.prompt_ids) for s in samples],
-                                        [list(s.response_ids) for s in samples],
-                                        temperature=self.temperature, pad_id=self.pad_id, with_entropy=True)
+        with precision.compute(self.cfg.dtype, precision.model_device(self.model)):
+            lp, ent, _ = self.tf.log_probs(self.model, [list(s.prompt_ids) for s in samples],
+                                           [list(s.response_ids) for s in samples], self.temperature, self.pad_id,
+                                           with_entropy=True)
         width = batch.num_response_tokens
         return pad_width(lp, width), pad_width(ent, width)
+
+    def _micro_batches(self, batch: ExperienceBatch, rows: torch.Tensor) -> list[torch.Tensor]:
+        """`rows` split into micro-batches: by count (consecutive), or by the token budget."""
+        return [torch.tensor(p, dtype=torch.long) for p in common.micro_batches(self.tf, rows.tolist(), batch.samples)]
 
     # ---- rollback -----------------------------------------------------------------------
     def snapshot(self) -> dict:
@@ -103,7 +126,7 @@ class Actor:
         """UPDATING_FROM(v): minibatch optimizer steps over `ppo_epochs` passes. `kl_coef` is the
         KL-in-loss coefficient in force: the driver's KL controller's beta (the one `kl/beta` logs)."""
         cfg, algo = self.cfg, self.algo
-        self.iteration = iteration
+        self.iteration, self.seed = iteration, seed
         old = batch.get("old_log_probs", version=version.id)
         adv = batch.get("advantages")
         candidates, mask = loss_mask(batch, algo)
@@ -150,8 +173,7 @@ class Actor:
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
         rows = own_rows(batch, idx)  # this rank's rows by sample id; all of idx on one process
-        for start in range(0, len(rows), cfg.micro_batch_size):
-            mi = rows[start:start + cfg.micro_batch_size]
+        for mi in self._micro_batches(batch, rows):
             # the fused old-log-prob forward covers exactly these rows (see compute_old_log_probs)
             lp, ent = kept if kept is not None else self._forward(batch, mi)
             m = mask[mi]
@@ -163,7 +185,8 @@ class Actor:
             if kl is not None:
                 kl_loss = algos.aggregate(algos.kl_penalty(lp, kl[0][mi], algo.kl_estimator), m, norm)
                 loss = loss + kl[1] * kl_loss
-                metrics["kl_loss"] = kl_loss.detach()
+                # a share of the global normaliser already, like pg_loss: it adds up (no token share)
+                totals["kl_loss"] = totals.get("kl_loss", 0.0) + float(kl_loss.detach())
             ent_term = algos.aggregate(ent, m, norm)
             if cfg.entropy_coef:
                 loss = loss - cfg.entropy_coef * ent_term
@@ -196,10 +219,25 @@ class Actor:
         if cfg.loss == "clip":
             return algos.ppo_clip_loss(lp, old, adv, mask, norm, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                        dual_clip=cfg.dual_clip or None, is_weights=weights)
-        if cfg.loss == "gspo":
-            return algos.gspo_loss(lp, old, adv, mask, norm, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                   is_weights=weights)
+        if cfg.loss in ("gspo", "cispo", "gmpo"):
+            return algos.POLICY_LOSSES[cfg.loss](lp, old, adv, mask, norm, clip_low=cfg.clip_low,
+                                                 clip_high=cfg.clip_high, is_weights=weights)
+        if cfg.loss != "pg":
+            return algos.POLICY_LOSSES[cfg.loss](lp, old, adv, mask, norm, is_weights=weights, **self._loss_params())
         return algos.policy_gradient_loss(lp, adv, mask, norm, is_weights=weights)
+
+    def _loss_params(self) -> dict:
+        """Keyword arguments of the sapo, clip_cov and kl_cov losses from the actor config. Clip-Cov
+        draws its tokens from a generator seeded by (run seed, optimizer step, attempt): the same
+        draw in a repeated or resumed run."""
+        cfg = self.cfg
+        if cfg.loss == "sapo":
+            return {"tau_pos": cfg.sapo_tau_pos, "tau_neg": cfg.sapo_tau_neg}
+        if cfg.loss == "kl_cov":
+            return {"cov_ratio": cfg.cov_ratio, "kl_coef": cfg.kl_cov_coef}
+        gen = torch.Generator().manual_seed(self.seed * 1000003 + self.step * 101 + self.attempt)
+        return {"clip_low": cfg.clip_low, "clip_high": cfg.clip_high, "cov_ratio": cfg.cov_ratio,
+                "cov_lb": cfg.clip_cov_bounds[0], "cov_ub": cfg.clip_cov_bounds[1], "generator": gen}
 
     def _is_weights(self, batch: ExperienceBatch, old: torch.Tensor) -> torch.Tensor | None:
         """Truncated importance weights old/rollout (train/inference mismatch correction)."""

@@ -8,9 +8,41 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from sealrl.algos import sum_pi_squared_from_logits
+from sealrl.config import ConfigError
 from sealrl.experience import ExperienceBatch
-from sealrl.models.logprobs import response_log_probs
-from sealrl.roles.distributed import clip_grad_norm, sum_grads
+from sealrl.models.logprobs import pad_batch, response_logits
+from sealrl.models.lora import load_trainable_state, trainable_state
+from sealrl.models.packing import TeacherForcing
+from sealrl.roles.distributed import clip_grad_norm, sum_grads, world
+
+
+def teacher_forcing(actor_cfg) -> TeacherForcing:
+    """The teacher-forced pass options of a run (actor section), shared by actor, reference, critic."""
+    return TeacherForcing(micro_batch_size=actor_cfg.micro_batch_size, max_tokens=actor_cfg.max_tokens_per_micro_batch,
+                          pack=actor_cfg.pack_sequences, chunk=actor_cfg.logit_chunk_tokens)
+
+
+def set_gradient_checkpointing(model, on: bool) -> None:
+    """Activation checkpointing of a Hugging Face model (non-reentrant: exact same numbers)."""
+    if on:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+
+def sample_lengths(samples) -> list[int]:
+    """Tokens (prompt + response) of each sample: what a token budget counts."""
+    return [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+
+
+def micro_batches(tf: TeacherForcing, rows: list[int], samples) -> list[list[int]]:
+    """`rows` (indices into `samples`) split into micro-batches: by count (consecutive), or by
+    the token budget. A budget needs one process: sharded data-parallel ranks must all run the
+    same number of passes (distributed.idle_passes counts them by micro_batch_size)."""
+    if tf.max_tokens and world()[1] > 1:
+        raise ConfigError(f"actor.max_tokens_per_micro_batch={tf.max_tokens} needs placement.actor_ranks=1 and "
+                          f"critic_ranks=1 (this process is one of {world()[1]} ranks)",
+                          "actor.max_tokens_per_micro_batch")
+    return [[rows[i] for i in part] for part in tf.micro_batches(sample_lengths([samples[r] for r in rows]))]
 
 
 def clone_state(x):
@@ -28,13 +60,13 @@ def clone_state(x):
 
 def snapshot(role) -> dict:
     """A training role's committed state (weights, optimizer, counters), to restore if an
-    update fails."""
-    return {"model": clone_state(role.model.state_dict()), "optim": clone_state(role.optimizer.state_dict()),
+    update fails. With LoRA only the trainable tensors: the base never changes."""
+    return {"model": clone_state(trainable_state(role.model)), "optim": clone_state(role.optimizer.state_dict()),
             "step": role.step, "skipped": role.skipped_steps}
 
 
 def restore(role, snap: dict) -> None:
-    role.model.load_state_dict(snap["model"])
+    load_trainable_state(role.model, snap["model"])
     role.optimizer.load_state_dict(snap["optim"])
     role.step, role.skipped_steps = snap["step"], snap["skipped"]
     role.optimizer.zero_grad(set_to_none=True)
@@ -46,24 +78,43 @@ def pad_width(x: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def batch_log_probs(model, batch: ExperienceBatch, temperature: float, pad_id: int,
-                    micro_batch_size: int, with_entropy: bool = False):
+                    micro_batch_size: int, with_entropy: bool = False, tf: TeacherForcing | None = None):
     """(B, R) log-probs (and entropy) of the batch's response tokens under `model`, no grad.
-    Positions past each response are exactly 0."""
-    width, out_lp, out_ent = batch.num_response_tokens, [], []
+    Positions past each response are exactly 0. `tf` (default: micro-batches of
+    `micro_batch_size` samples, padded, full logits) says how the passes run."""
+    tf = tf or TeacherForcing(micro_batch_size=micro_batch_size)
+    width, out_lp, out_ent, order = batch.num_response_tokens, [], [], []
     with torch.no_grad():
-        for start in range(0, len(batch), micro_batch_size):
-            part = batch.samples[start:start + micro_batch_size]
-            lp, ent, _ = response_log_probs(model, [list(s.prompt_ids) for s in part],
-                                            [list(s.response_ids) for s in part],
-                                            temperature=temperature, pad_id=pad_id,
-                                            with_entropy=with_entropy)
+        for rows in tf.micro_batches(sample_lengths(batch.samples)):
+            part = [batch.samples[i] for i in rows]
+            lp, ent, _ = tf.log_probs(model, [list(s.prompt_ids) for s in part], [list(s.response_ids) for s in part],
+                                      temperature, pad_id, with_entropy)
             out_lp.append(pad_width(lp.float(), width))
             if with_entropy:
                 out_ent.append(pad_width(ent.float(), width))
+            order.extend(rows)
     mask = batch.token_mask()
-    lp = torch.cat(out_lp).cpu().masked_fill(~mask, 0.0) if out_lp else torch.zeros(0, width)
-    ent = torch.cat(out_ent).cpu().masked_fill(~mask, 0.0) if out_ent else None
+    back = torch.empty(len(order), dtype=torch.long)  # micro-batch order -> batch order
+    back[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
+    lp = torch.cat(out_lp).cpu()[back].masked_fill(~mask, 0.0) if out_lp else torch.zeros(0, width)
+    ent = torch.cat(out_ent).cpu()[back].masked_fill(~mask, 0.0) if out_ent else None
     return lp, ent
+
+
+def batch_sum_pi_squared(model, batch: ExperienceBatch, temperature: float, pad_id: int,
+                         micro_batch_size: int) -> torch.Tensor:
+    """(B, R) sum_v pi(v)^2 of softmax(logits / T) at each response token of the batch under
+    `model`, no grad (the optimal token baseline's gradient-norm proxy). 0 past each response."""
+    width, out = batch.num_response_tokens, []
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for start in range(0, len(batch), micro_batch_size):
+            part = batch.samples[start:start + micro_batch_size]
+            padded = pad_batch([list(s.prompt_ids) for s in part], [list(s.response_ids) for s in part],
+                               pad_id, device)
+            sq = sum_pi_squared_from_logits(response_logits(model, padded).float() / temperature)
+            out.append(pad_width((sq * padded.response_mask).float(), width))
+    return torch.cat(out).cpu().masked_fill(~batch.token_mask(), 0.0) if out else torch.zeros(0, width)
 
 
 def lr_at(step: int, base: float, warmup: int, schedule: str, total: int, min_ratio: float) -> float:

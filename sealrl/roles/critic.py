@@ -9,7 +9,9 @@ import torch
 
 from sealrl import algos
 from sealrl.experience import ExperienceBatch, Role
+from sealrl.models import precision
 from sealrl.models.critic import CriticModel
+from sealrl.models.packing import TeacherForcing
 from sealrl.roles import common
 from sealrl.roles.common import lr_at, optimizer_step, pad_width
 from sealrl.roles.distributed import all_reduce_sums, idle_passes, own_rows
@@ -20,16 +22,20 @@ if TYPE_CHECKING:
 
 class Critic:
     def __init__(self, model: CriticModel, cfg: CriticConfig, pad_id: int, micro_batch_size: int,
-                 loss_agg: str, horizon: int):
+                 loss_agg: str, horizon: int, tf: TeacherForcing | None = None):
         self.model, self.cfg, self.pad_id = model, cfg, pad_id
         self.micro, self.loss_agg, self.horizon = micro_batch_size, loss_agg, horizon
+        self.tf = tf or TeacherForcing(micro_batch_size=micro_batch_size)  # micro-batches, packing
+        common.set_gradient_checkpointing(model.backbone, cfg.gradient_checkpointing)
         self.optimizer = self.make_optimizer()
         self.step = 0            # committed optimizer steps
         self.skipped_steps = 0   # optimizer steps skipped for a non-finite gradient
 
     def make_optimizer(self) -> torch.optim.Optimizer:
-        """AdamW over the model's parameters (made again after FSDP2 replaces them with DTensors)."""
-        return torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, eps=self.cfg.adam_eps,
+        """AdamW over the model's trainable parameters (with LoRA: the adapter and the value head);
+        made again after FSDP2 replaces them with DTensors."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=self.cfg.lr, eps=self.cfg.adam_eps,
                                  weight_decay=self.cfg.weight_decay)
 
     @property
@@ -37,21 +43,28 @@ class Critic:
         return f"critic@{self.step}"
 
     def _values(self, samples):
-        return self.model.values([list(s.prompt_ids) for s in samples],
-                                 [list(s.response_ids) for s in samples], pad_id=self.pad_id)
+        with precision.compute(self.cfg.dtype, precision.model_device(self.model)):
+            return self.tf.values(self.model, [list(s.prompt_ids) for s in samples],
+                                  [list(s.response_ids) for s in samples], self.pad_id)
+
+    def _micro_batches(self, rows: list[int], samples) -> list[list[int]]:
+        return common.micro_batches(self.tf, rows, samples)
 
     def compute(self, batch: ExperienceBatch) -> None:
         """Values of every response state, and of the state after the last token."""
-        width, vals, lasts = batch.num_response_tokens, [], []
+        width, vals, lasts, order = batch.num_response_tokens, [], [], []
         self.model.eval()
         with torch.no_grad():
-            for start in range(0, len(batch), self.micro):
-                v, last, _ = self._values(batch.samples[start:start + self.micro])
+            for part in self._micro_batches(list(range(len(batch))), batch.samples):
+                v, last, _ = self._values([batch.samples[i] for i in part])
                 vals.append(pad_width(v.float(), width))
                 lasts.append(last.float())
-        values = torch.cat(vals).cpu().masked_fill(~batch.token_mask(), 0.0)
+                order.extend(part)
+        back = torch.empty(len(order), dtype=torch.long)  # micro-batch order -> batch order
+        back[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
+        values = torch.cat(vals).cpu()[back].masked_fill(~batch.token_mask(), 0.0)
         batch.put("values", values, Role.CRITIC, self.version)
-        batch.put("last_values", torch.cat(lasts).cpu(), Role.CRITIC, self.version)
+        batch.put("last_values", torch.cat(lasts).cpu()[back], Role.CRITIC, self.version)
 
     def snapshot(self) -> dict:
         return common.snapshot(self)
@@ -72,8 +85,8 @@ class Critic:
         self.optimizer.zero_grad(set_to_none=True)
         total, clip_frac = 0.0, 0.0
         rows = own_rows(batch, torch.arange(len(batch)))  # this data-parallel rank's rows (all on one process)
-        for start in range(0, len(rows), self.micro):
-            sl = rows[start:start + self.micro]
+        for part in self._micro_batches(rows.tolist(), batch.samples):
+            sl = torch.tensor(part, dtype=torch.long)
             v, _, _ = self._values([batch.samples[i] for i in sl.tolist()])
             v = pad_width(v, batch.num_response_tokens)
             loss, metrics = algos.value_loss(v, old_values[sl], returns[sl], mask[sl], norm,

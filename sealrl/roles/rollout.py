@@ -33,6 +33,10 @@ class Rollout:
     def staged_version(self) -> PolicyVersion | None:
         return self.engine.staged_version
 
+    def pin_base(self, state: dict[str, torch.Tensor], manifest: WeightManifest) -> str:
+        """LoRA: the frozen base every adapter version is merged into (verified; activates nothing)."""
+        return self.engine.pin_base(state, manifest)
+
     def stage(self, state: dict[str, torch.Tensor], manifest: WeightManifest) -> PolicyVersion:
         """ROLLOUT_LOADING(v): copy and verify every checksum; the active version is unchanged."""
         return self.engine.stage(state, manifest)

@@ -25,6 +25,7 @@ often faster for small models, because every multi-threaded op waits for a busy 
 """
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -37,9 +38,11 @@ from sealrl.experience.ids import PolicyVersion, sample_id
 from sealrl.experience.records import SamplingContract, StopReason
 from sealrl.models.hf import check_same_tokenizer, model_config_hash, tokenizer_hash
 from sealrl.rollout.backends import HFBackend, LeanBackend, make_backend, weightless_template
+from sealrl.rollout.lean import lean_unsupported_reason
 from sealrl.rollout.loop import decode_loop
 from sealrl.rollout.sampling import candidate_seed
 from sealrl.rollout.stops import StopChecker
+from sealrl.sync.adapter import AdapterManifest, merge_adapter, verify_adapter
 from sealrl.sync.manifest import WeightManifest, WeightSyncError, verify_weights
 
 
@@ -121,8 +124,12 @@ class RolloutEngine:
         self._template = weightless_template(model)  # the engine's own copy, no weight memory
         self._expected = {n: tuple(t.shape) for n, t in self._template.state_dict().items()}
         self._prefer_lean = prefer_lean
+        if prefer_lean and (reason := lean_unsupported_reason(model.config)) is not None:
+            print(f"sealrl: rollout runs {type(model).__name__} on the HF forward, not the lean one "
+                  f"({reason}); same numbers, slower decoding", file=sys.stderr, flush=True)
         self._active: _Snapshot | None = None
         self._staged: _Snapshot | None = None   # verified, not yet active
+        self._base: tuple[str, dict[str, Tensor]] | None = None   # LoRA: (hash, weights) of the pinned base
 
     @property
     def active_version(self) -> PolicyVersion | None:
@@ -146,18 +153,42 @@ class RolloutEngine:
         snap = self._staged
         return None if snap is None else snap.version
 
-    def stage(self, state_dict: Mapping[str, Tensor], manifest: WeightManifest) -> PolicyVersion:
+    def pin_base(self, state_dict: Mapping[str, Tensor], manifest: WeightManifest) -> str:
+        """LoRA: keep the frozen base, verified like a full version, that every later adapter
+        version (AdapterManifest) is merged into; returns its hash. Activates nothing."""
+        self._base = None
+        self._check_version(manifest.version)
+        self._base = (manifest.version.weights_hash, self._verified(state_dict, manifest))
+        return self._base[0]
+
+    def stage(self, state_dict: Mapping[str, Tensor], manifest: WeightManifest | AdapterManifest,
+              ) -> PolicyVersion:
         """ROLLOUT_LOADING(v): copy the weights, verify every checksum and shape, build the
         backend, and keep it staged; the active version is unchanged. A later stage replaces
         an earlier staged copy. Raises WeightSyncError (or TokenizerMismatchError) naming the
         tensor, and then holds nothing staged."""
         self._staged = None
         version = manifest.version
+        self._check_version(version)
+        if isinstance(manifest, AdapterManifest):   # LoRA: merged into a copy of the pinned base
+            staged = _stage(state_dict)
+            base_hash, base = self._base or (None, {})
+            verify_adapter(staged, manifest, base_hash, {n: tuple(t.shape) for n, t in base.items()})
+            staged = merge_adapter(base, staged, manifest.scaling)
+        else:
+            staged = self._verified(state_dict, manifest)
+        self._staged = _Snapshot(version, make_backend(staged, self._template, self.device, self._prefer_lean))
+        return version
+
+    def _check_version(self, version: PolicyVersion) -> None:
         if version.tokenizer_hash:
             check_same_tokenizer(version.tokenizer_hash, self.tokenizer_hash,
                                  f"rollout engine loading {version}")
         if version.model_config_hash and version.model_config_hash != self.model_config_hash:
             raise WeightSyncError("<config>", f"version {version} is for another architecture")
+
+    def _verified(self, state_dict: Mapping[str, Tensor], manifest: WeightManifest) -> dict[str, Tensor]:
+        """A private copy of full weights, every checksum verified and every tensor fitting the model."""
         staged = _stage(state_dict)
         verify_weights(staged, manifest)
         for name, shape in self._expected.items():  # the manifest must fit this architecture
@@ -167,8 +198,7 @@ class RolloutEngine:
                 raise WeightSyncError(name, f"shape {tuple(staged[name].shape)} != model {shape}")
         for name in staged.keys() - self._expected.keys():
             raise WeightSyncError(name, "not a tensor of the rollout model")
-        self._staged = _Snapshot(version, make_backend(staged, self._template, self.device, self._prefer_lean))
-        return version
+        return staged
 
     def activate(self, version: PolicyVersion) -> PolicyVersion:
         """ROLLOUT_READY(v): switch to the staged `version` with one reference assignment (a

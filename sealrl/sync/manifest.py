@@ -117,3 +117,16 @@ def verify_weights(state_dict: Mapping[str, torch.Tensor], manifest: WeightManif
         got = tensor_sha256(t)
         if got != want.sha256:
             raise WeightSyncError(name, f"checksum {got[:12]} != manifest {want.sha256[:12]}")
+
+
+def in_dtype(state_dict: dict[str, torch.Tensor], manifest: WeightManifest, dtype: str,
+             ) -> tuple[dict[str, torch.Tensor], WeightManifest]:
+    """The exported weights in the rollout's dtype (`rollout.dtype`: fp32 | bf16), with a manifest
+    whose checksums are over exactly those tensors (what the rollout loads and verifies), so a
+    bf16 copy is its own version. fp32: the inputs unchanged. Non-float tensors keep their dtype."""
+    if dtype == "fp32":
+        return state_dict, manifest
+    target = {"bf16": torch.bfloat16}[dtype]
+    cast = {k: v.to(target) if v.is_floating_point() else v for k, v in state_dict.items()}
+    v = manifest.version
+    return cast, build_manifest(cast, v.run_id, v.step, v.attempt, v.tokenizer_hash, v.model_config_hash)

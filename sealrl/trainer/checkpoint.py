@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -52,12 +52,14 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save_checkpoint(root: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]],
-                    state: dict[str, Any], extra_dirs: dict[str, Path] | None = None) -> Path:
+                    state: dict[str, Any], folders: dict[str, Callable[[Path], object]] | None = None,
+                    ) -> Path:
     """Commit checkpoint `step` under `root` (= run/checkpoints).
 
     tensors: part name -> flat {key: tensor}, saved as `<part>.safetensors`.
     state: JSON-able training position (versions, sampler, controllers, hashes...).
-    extra_dirs: part name -> a folder already written (e.g. an HF model folder) moved in as is.
+    folders: part name -> a function that writes that folder (e.g. the policy as an HF model
+    folder), called with `<tmp>/<part>` so that it is checksummed and committed with the rest.
     """
     root.mkdir(parents=True, exist_ok=True)
     final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
@@ -67,8 +69,8 @@ def save_checkpoint(root: Path, step: int, tensors: dict[str, dict[str, torch.Te
     for part, flat in tensors.items():
         save_file({k: v.detach().cpu().clone().contiguous() for k, v in flat.items()}, str(tmp / f"{part}.safetensors"))
     (tmp / "state.json").write_text(json.dumps(state, sort_keys=True, indent=1))
-    for part, folder in (extra_dirs or {}).items():
-        shutil.copytree(folder, tmp / part)
+    for part, write in (folders or {}).items():
+        write(tmp / part)
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
     for p in files:
         _fsync_file(p)

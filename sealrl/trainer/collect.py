@@ -41,10 +41,28 @@ def generate(run, ledger: IterationLedger, requests: dict[str, GenerationRequest
     return groups
 
 
+def reward_item(sample: RolloutSample, prompt, text: str) -> tuple:
+    """What the reward role scores for one sample: (sample, prompt text, response text, ground
+    truth, data source, extra info); `prompt` is the group's data.dataset.Prompt."""
+    return sample, prompt.text, text, prompt.ground_truth, prompt.data_source, prompt.extra_info
+
+
+def decode_and_score(run, ledger: IterationLedger, groups: dict[str, list[RolloutSample]], prompt_of
+                     ) -> tuple[dict[str, str], dict[str, RewardRecord], dict[str, list[RolloutSample]]]:
+    """The reward stage: every response decoded once (for the reward and the record), then
+    scored. Returns (text per sample id, record per sample id, the groups kept)."""
+    tok = run.roles.tokenizer
+    texts = {s.sample_id: tok.decode(list(s.response_ids), skip_special_tokens=True)
+             for ss in groups.values() for s in ss}
+    items = {s.sample_id: reward_item(s, prompt_of(g), texts[s.sample_id]) for g, ss in groups.items() for s in ss}
+    records, kept = score(run, ledger, groups, items)
+    return texts, records, kept
+
+
 def score(run, ledger: IterationLedger, groups: dict[str, list[RolloutSample]], items: dict[str, tuple]
           ) -> tuple[dict[str, RewardRecord], dict[str, list[RolloutSample]]]:
     """(record per sample id, the groups the reward-error policy keeps). `items`: sample id ->
-    (sample, prompt text, response text, ground truth, data source)."""
+    reward_item(...)."""
     policy, late = run.cfg.algorithm.reward_error, []
     records = _score_once(run, ledger, list(items), items, late)
     ledger.count_reward_errors(groups, records)

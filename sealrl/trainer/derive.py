@@ -19,15 +19,42 @@ def group_index(group_ids: list[str]) -> torch.Tensor:
 def sequence_scores(batch: ExperienceBatch, algo: AlgorithmConfig, max_new_tokens: int) -> torch.Tensor:
     """(B,) training score: the ok reward total, or the explicit penalty for an errored
     record (only reachable with reward_error=penalty), plus the soft overlong penalty (DAPO)."""
-    records = batch.get("reward_records", producer=Role.REWARD)
+    return training_scores(batch.get("reward_records", producer=Role.REWARD),
+                           [len(s.response_ids) for s in batch.samples], algo, max_new_tokens)
+
+
+def training_scores(records, lengths: list[int], algo: AlgorithmConfig, max_new_tokens: int) -> torch.Tensor:
+    """`sequence_scores` from reward records and response lengths (also dynamic sampling's filter)."""
     scores = torch.tensor([r.total if r.ok else algo.reward_error_penalty for r in records],
                           dtype=torch.float32)
     if algo.overlong == "soft":
-        lengths = torch.tensor([len(s.response_ids) for s in batch.samples], dtype=torch.float32)
+        lengths = torch.tensor(lengths, dtype=torch.float32)
         start = max_new_tokens - algo.overlong_buffer
         over = ((lengths - start) / max(1, algo.overlong_buffer)).clamp(min=0.0, max=1.0)
         scores = scores - algo.overlong_penalty * over
     return scores
+
+
+VERL_ESTIMATORS = ("remax", "opo", "gpg", "grpo_passk", "optimal_token_baseline")
+
+
+def verl_estimator(name: str, batch: ExperienceBatch, seq_scores: torch.Tensor, gidx: torch.Tensor,
+                   token_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) advantages of the estimators of sealrl.algos.baselines. The optimal token baseline
+    reads the old policy's per-token sum of squared probabilities (prepare.py records it), ReMax
+    the greedy baseline of each sample (remax.py records it)."""
+    if name == "remax":
+        return algos.remax_advantages(token_rewards, batch.get("baseline_scores"), mask)
+    if name == "optimal_token_baseline":
+        return algos.optimal_token_baseline_advantages(token_rewards, mask, gidx, batch.get("old_log_probs"),
+                                                       batch.get("sum_pi_squared"))
+    if name == "opo":
+        seq = algos.opo_advantages(seq_scores, gidx, mask.sum(-1))
+    elif name == "gpg":
+        seq = algos.gpg_advantages(seq_scores, gidx)
+    else:
+        seq = algos.passk_advantages(seq_scores, gidx)
+    return algos.broadcast_to_tokens(seq, mask)
 
 
 def derive(batch: ExperienceBatch, algo: AlgorithmConfig, beta: float, max_new_tokens: int,
@@ -63,6 +90,8 @@ def derive(batch: ExperienceBatch, algo: AlgorithmConfig, beta: float, max_new_t
         adv = algos.broadcast_to_tokens(algos.rloo_advantages(seq_scores, gidx), mask)
     elif name == "reinforce_pp":
         adv = algos.reinforce_pp_advantages(token_rewards, mask, gamma=algo.gamma)
+    elif name in VERL_ESTIMATORS:
+        adv = verl_estimator(name, batch, seq_scores, gidx, token_rewards, mask)
     else:  # reinforce_pp_baseline
         # KL enters through token rewards that hold only the KL part (the score gets the baseline).
         adv = algos.reinforce_pp_baseline_advantages(scores, gidx, mask, token_rewards=-beta * kl,

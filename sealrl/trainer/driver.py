@@ -13,11 +13,14 @@ import time
 import torch
 
 from sealrl.config import Config
-from sealrl.models.hf import save_causal_lm
+from sealrl.models.lora import save_policy
 from sealrl.obs.metrics import MetricsLogger
 from sealrl.obs.progress import Progress
+from sealrl.sync.adapter import sync_bytes
+from sealrl.sync.manifest import in_dtype
 from sealrl.trainer import drills, setup
-from sealrl.trainer.collect import generate, score
+from sealrl.trainer.collect import decode_and_score, generate
+from sealrl.trainer.dynamic import oversample
 from sealrl.trainer.episodes import episode_metrics, with_env_inputs
 from sealrl.trainer.evaluate import evaluate
 from sealrl.trainer.inputs import check_inputs, write_dropped_rows
@@ -26,6 +29,7 @@ from sealrl.trainer.ledger import new_iteration
 from sealrl.trainer.position import forget_after, restore_position, save_position
 from sealrl.trainer.prepare import advantages, build_batch, prepare, seal
 from sealrl.trainer.record import record
+from sealrl.trainer.remax import greedy_baselines, put_baselines
 from sealrl.trainer.setup import Run
 from sealrl.trainer.state import Phase, StageFailed, committed_id
 from sealrl.trainer.update import update
@@ -67,7 +71,8 @@ def _train(run: Run) -> dict:
     logger = MetricsLogger(run.dir, cfg.run.loggers)
     eval_kw = dict(reward_fn=setup.build_reward_fn(cfg), tokenizer=roles.tokenizer,
                    max_new_tokens=cfg.rollout.max_new_tokens, num=cfg.eval.num, pass_k=cfg.eval.pass_k,
-                   temperature=cfg.eval.temperature, seed=cfg.run.seed)
+                   temperature=cfg.eval.temperature, seed=cfg.run.seed, num_scorers=cfg.reward.num_scorers,
+                   timeout_s=cfg.reward.timeout_s)
     version = publish(run)
     before = resumed["accuracy_before"] if resumed else evaluate(roles.rollout, version, data.eval, **eval_kw)
     wall = resumed["train_wall_s"] if resumed else 0.0
@@ -79,6 +84,7 @@ def _train(run: Run) -> dict:
         if run.sm.committed != committed_id(version.id):   # else every step was skipped: nothing new
             version = publish(run)   # ACTOR_COMMITTED(v+1) -> ... -> ROLLOUT_READY(v+1)
         metrics["time/weight_sync_s"] = run.timer.stage_seconds.get("weight_sync", 0.0)
+        metrics["sync/bytes"] = float(run.sync_bytes)
         metrics["time/iteration_s"] = time.perf_counter() - t0
         metrics.update(share_metrics(metrics))
         wall += metrics["time/iteration_s"]          # training time: evaluation is not counted
@@ -98,7 +104,7 @@ def _train(run: Run) -> dict:
             break
     progress.close()
     after = evaluate(roles.rollout, version, data.eval, **eval_kw)
-    save_causal_lm(roles.actor.model, roles.tokenizer, run.dir / "model")
+    save_policy(roles.actor.model, roles.tokenizer, run.dir)   # LoRA: merged model/ and adapter/
     summary = {"accuracy_before": before.get("eval/accuracy"), "accuracy_after": after.get("eval/accuracy"),
                "wall_s": round(wall, 2), "iterations": it + 1, "algorithm": cfg.algorithm.name,
                "eval_before": before, "eval_after": after, "policy_version": version.id,
@@ -115,7 +121,8 @@ def publish(run: Run):
     weights, verifies every checksum of the manifest, then switches its active version. A
     corrupted or missing tensor raises WeightSyncError naming it; nothing is activated."""
     with run.stage("weight_sync", "rollout"):
-        state, manifest = run.roles.actor.export()
+        state, manifest = in_dtype(*run.roles.actor.export(), run.cfg.rollout.dtype)  # checksums over what loads
+        run.sync_bytes = sync_bytes(state)   # with LoRA, the adapter's tensors only
         run.to(Phase.EXPORTING, manifest.version.id)
         run.to(Phase.ROLLOUT_LOADING, manifest.version.id)
         version = run.roles.rollout.load(state, manifest)
@@ -130,7 +137,8 @@ def run_iteration(run: Run, it: int, version) -> dict:
     prompts = [run.data.train[i] for i in run.sampler.next_batch()]
     ledger, requests = new_iteration(it, cfg.rollout.n, cfg.rollout.max_retries, cfg.run.name, cfg.run.seed,
                                      [(p.prompt_id, p.token_ids) for p in prompts])
-    prompt_of = {g: p for g, p in zip(requests, prompts)}.__getitem__
+    prompt_map = dict(zip(requests, prompts))
+    prompt_of = prompt_map.__getitem__
     requests = with_env_inputs(requests, prompt_of)   # the rows environments start from (multi-turn)
     run.to(Phase.GENERATING, version.id)   # every sample comes from the active version v, and only from it
     roles.rollout.take_served()   # forget who served the evaluation's calls
@@ -138,11 +146,11 @@ def run_iteration(run: Run, it: int, version) -> dict:
         groups = generate(run, ledger, requests, version)
     served = roles.rollout.take_served()   # a replica pool: which replica served which sample id
     with run.stage("reward", "reward"):
-        texts = {s.sample_id: roles.tokenizer.decode(list(s.response_ids), skip_special_tokens=True)
-                 for ss in groups.values() for s in ss}   # decoded once, for the reward and the record
-        items = {s.sample_id: (s, prompt_of(g).text, texts[s.sample_id], prompt_of(g).ground_truth,
-                               prompt_of(g).data_source) for g, ss in groups.items() for s in ss}
-        records, kept = score(run, ledger, groups, items)
+        texts, records, kept = decode_and_score(run, ledger, groups, prompt_of)
+    if cfg.algorithm.dynamic_sampling:   # DAPO: filter zero-variance groups, over-sample more rounds
+        kept = oversample(run, it, version, ledger, groups, records, kept, prompt_map, texts, served)
+    if cfg.algorithm.name == "remax":    # ReMax: the reward of a greedy response per prompt is the baseline
+        kept, baselines = greedy_baselines(run, it, version, ledger, kept, prompt_map, served)
     ledger.commit(list(kept))
     metrics = {**ledger.counts(), **rollout_metrics(groups, records, run.timer.stage_seconds["generate"]),
                **stage_io_metrics(run.timer.stage_spans, groups, roles.rollout.take_recoveries()),
@@ -150,6 +158,8 @@ def run_iteration(run: Run, it: int, version) -> dict:
     if not kept:
         raise StageFailed(f"iteration {it}: every group was dropped ({ledger.rows()[0]['reason']})")
     batch = build_batch(run, it, kept, records, prompt_of, texts, version)
+    if cfg.algorithm.name == "remax":
+        put_baselines(batch, baselines)
     prepare(run, batch, version)
     metrics.update(advantages(run, batch, it))
     seal(run, it, batch, ledger, served)       # durable before any update reads it

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from sealrl.config import Config, MissingInputError
 from sealrl.models.hf import load_causal_lm, model_config_hash, tokenizer_hash
+from sealrl.models.lora import apply_lora, load_trainable_state, merged_model
 from sealrl.roles.rollout import Rollout
 from sealrl.sync.manifest import build_manifest
 from sealrl.trainer import setup
@@ -27,7 +28,11 @@ def evaluate_path(path: Path, cfg: Config, num: int | None, pass_k: int) -> dict
     else:                                                    # a Hugging Face model folder
         model_dir = path
     model, tokenizer = load_causal_lm(str(model_dir), trust_remote_code=cfg.model.trust_remote_code)
-    if weights is not None:
+    if weights is not None and cfg.actor.lora.rank:   # a LoRA run's checkpoint: its adapter, merged
+        peft = apply_lora(model, cfg.actor.lora, "actor.lora", seed=0)
+        load_trainable_state(peft, weights)
+        model = merged_model(peft)
+    elif weights is not None:
         model.load_state_dict(weights, strict=True)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     manifest = build_manifest(state, "eval", 0, 0, tokenizer_hash(tokenizer), model_config_hash(model.config))
@@ -36,4 +41,5 @@ def evaluate_path(path: Path, cfg: Config, num: int | None, pass_k: int) -> dict
     data = setup.build_data(cfg, tokenizer)
     return evaluate(rollout, manifest.version, data.eval, setup.build_reward_fn(cfg), tokenizer,
                     cfg.rollout.max_new_tokens, num or cfg.eval.num, pass_k=pass_k,
-                    temperature=cfg.eval.temperature, seed=cfg.run.seed)
+                    temperature=cfg.eval.temperature, seed=cfg.run.seed, num_scorers=cfg.reward.num_scorers,
+                    timeout_s=cfg.reward.timeout_s)

@@ -16,12 +16,15 @@ from sealrl.trainer.ledger import request_seed
 
 def evaluate(rollout: Rollout, version: PolicyVersion, prompts: PromptSet, reward_fn, tokenizer,
              max_new_tokens: int, num: int, pass_k: int = 1, temperature: float = 1.0,
-             seed: int = 0, batch_size: int = 256) -> dict[str, float]:
+             seed: int = 0, batch_size: int = 256, num_scorers: int = 0, timeout_s: float = 10.0
+             ) -> dict[str, float]:
+    """`num_scorers`, `timeout_s`: as reward.*; a scorer that errs or hangs past the deadline
+    leaves its sample unsolved."""
     items = list(prompts)[:num]
     if not items:
         return {}
     greedy = SamplingContract(temperature=1.0, top_k=1, max_new_tokens=max_new_tokens, n=1)
-    scorer = RewardPool(reward_fn, num_scorers=0)
+    scorer = RewardPool(reward_fn, num_scorers=num_scorers, timeout_s=timeout_s)
     correct = _solved(rollout, version, items, greedy, 1, scorer, tokenizer, seed, batch_size)
     out = {"eval/accuracy": sum(any(c) for c in correct) / len(items), "eval/num": float(len(items))}
     if pass_k > 1:
@@ -49,7 +52,7 @@ def _solved(rollout, version, items, contract, n, scorer, tokenizer, seed, batch
                 rs.append(RewardSample(sample_id=s.sample_id, prompt=p.text,
                                        response=tokenizer.decode(list(s.response_ids), skip_special_tokens=True),
                                        response_ids=tuple(s.response_ids), ground_truth=p.ground_truth,
-                                       data_source=p.data_source, metadata={}))
+                                       data_source=p.data_source, metadata=p.extra_info))
         records = dict(zip([r.sample_id for r in rs], scorer.score(rs)))
         for req in reqs:
             results.append([records[s.sample_id].ok and records[s.sample_id].total > 0

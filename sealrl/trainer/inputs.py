@@ -3,11 +3,14 @@
 `check_inputs(cfg)` runs the checks that cost no model load and no data pass: the rules across
 config sections, the model folder (exists, holds config.json, a tokenizer and safetensors
 weights) and the data files (exist, are files, readable, hold rows: a Parquet footer, or the
-first non-blank byte of a JSONL file). Each failure is one ConfigError naming the config key.
-Row-level problems are found later, by the loader (sealrl.data.dataset), and name file and row.
+first non-blank byte of a JSONL file), and the reward (sealrl.rewards.from_config: a user's
+reward file is loaded and its function's signature checked; nothing is scored). Each failure
+is one ConfigError naming the config key. Row-level problems are found later, by the loader
+(sealrl.data.dataset), and name file and row.
 
-Relative paths (model.path, data.train_file, data.eval_file, run.output_dir) are resolved
-against the working directory of the process, not against the config file's folder.
+Relative paths (model.path, data.train_file, data.eval_file, run.output_dir, reward files and
+reward.model_path) are resolved against the working directory of the process, not against the
+config file's folder.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from typing import Iterable
 
 from sealrl.config import Config, ConfigError, check_config, relative_note
 from sealrl.data.dataset import DataFileError, PromptSet, has_rows
+from sealrl.rewards.from_config import build_reward
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -65,6 +69,7 @@ def check_inputs(cfg: Config) -> None:
         raise ConfigError(f"run.name: {out / cfg.run.name} exists and is not a folder", "run.name")
     check_model_folder(cfg.model.path)
     check_data_files(cfg)
+    build_reward(cfg.reward, cfg.data.task)   # a user's reward file, function and signature; the RM folder
 
 
 def write_dropped_rows(run_dir: str | Path, prompt_sets: Iterable[PromptSet]) -> int:

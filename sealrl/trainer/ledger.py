@@ -25,8 +25,10 @@ class GroupEntry:
     iteration: int
     group_id: str
     prompt_id: str
-    status: str = "pending"          # committed | dropped
+    status: str = "pending"          # committed | dropped | filtered (dynamic sampling: zero variance)
     reason: str = ""
+    round: int = 0                   # generation round of the iteration (dynamic sampling over-samples)
+    baseline: dict | None = None     # ReMax: the greedy response's score, text, tokens and scorer
     regenerated: int = 0             # candidates sampled again after a rollout failure
     reward_errors: int = 0           # errored reward records seen (before the policy)
     penalised: int = 0               # errored samples kept with the explicit penalty
@@ -43,6 +45,7 @@ class IterationLedger:
     rollout: Join = field(default_factory=lambda: Join("rollout"))   # keyed (group id, candidate)
     rewards: Join = field(default_factory=lambda: Join("reward"))    # keyed sample id
     reward_attempt: int = -1                             # the latest scoring call
+    dynamic: bool = False                                # dynamic sampling: filtered groups, rounds
 
     # ---- rollout completion: the driver loops over attempts (collect.generate) -------------
     def expect_samples(self, requests: dict[str, GenerationRequest]) -> None:
@@ -129,6 +132,19 @@ class IterationLedger:
     def drop(self, g: str, reason: str) -> None:
         self.groups[g].status, self.groups[g].reason = "dropped", reason
 
+    def filter(self, g: str, reason: str) -> None:
+        self.groups[g].status, self.groups[g].reason = "filtered", reason
+
+    def absorb(self, other: IterationLedger, round_: int) -> None:
+        """Take in the groups, failures and join counts of another generation round's ledger."""
+        for g, entry in other.groups.items():
+            entry.round = round_
+            self.groups[g] = entry
+        self.failures += other.failures
+        for mine, theirs in ((self.rollout, other.rollout), (self.rewards, other.rewards)):
+            for k, v in theirs.counts.items():
+                mine.counts[k] += v
+
     def commit(self, kept: list[str]) -> None:
         for g in kept:
             self.groups[g].status = "committed"
@@ -148,6 +164,8 @@ class IterationLedger:
             "reward/unexpected_deliveries": self.rewards.counts["unexpected"],
             "reward/errors": sum(e.reward_errors for e in entries),
             "reward/penalised": sum(e.penalised for e in entries),
+            **({"groups/filtered": sum(e.status == "filtered" for e in entries),
+                "groups/sampling_rounds": 1 + max((e.round for e in entries), default=0)} if self.dynamic else {}),
         }
 
     def rows(self) -> list[dict]:

@@ -13,7 +13,9 @@ from safetensors.torch import load_file
 from sealrl import faults
 from sealrl.config import Config, config_diff, resumable_keys
 from sealrl.models.hf import model_config_hash, tokenizer_hash
+from sealrl.models.lora import checkpoint_exports, load_trainable_state, trainable_state
 from sealrl.rewards.base import reward_identity
+from sealrl.trainer.adapters import base_hash
 from sealrl.trainer.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -33,7 +35,8 @@ def save_position(run_dir: Path, iteration: int, cfg: Config, roles, sampler, kl
                   extra: dict) -> Path:
     actor = roles.actor
     optim_t, optim_meta = optimizer_to_flat(actor.optimizer)
-    tensors = {"actor_model": dict(actor.model.state_dict()), "actor_optim": optim_t, "rng": rng_to_flat()}
+    # with LoRA the adapter only (trainable_state); the frozen base once, by its hash
+    tensors = {"actor_model": dict(trainable_state(actor.model)), "actor_optim": optim_t, "rng": rng_to_flat()}
     state = {
         "iteration": iteration, "actor_step": actor.step, "actor_attempt": actor.attempt,
         "actor_skipped": actor.skipped_steps, "actor_optim": optim_meta,
@@ -43,15 +46,20 @@ def save_position(run_dir: Path, iteration: int, cfg: Config, roles, sampler, kl
         "model_config_hash": model_config_hash(actor.model.config),
         "reference_version": roles.reference.version.to_json() if roles.reference else None,
         "reward_fn": reward_identity(roles.reward.pool.fn),
+        **_base_hashes(roles),
         "experience": "none pending: checkpoint taken after the iteration's batch was consumed",
         **extra,
     }
     if roles.critic is not None:
         c_t, c_meta = optimizer_to_flat(roles.critic.optimizer)
-        tensors["critic_model"] = dict(roles.critic.model.state_dict())
+        tensors["critic_model"] = dict(trainable_state(roles.critic.model))
         tensors["critic_optim"] = c_t
         state.update(critic_step=roles.critic.step, critic_skipped=roles.critic.skipped_steps, critic_optim=c_meta)
-    folder = save_checkpoint(run_dir / "checkpoints", iteration, tensors, state)
+    # The policy also as a Hugging Face folder (`checkpoints/step_N/model`), loadable by
+    # transformers and vLLM as it is (with LoRA: the peft adapter folder, `adapter`, the base
+    # never copied); resuming reads actor_model.safetensors.
+    folder = save_checkpoint(run_dir / "checkpoints", iteration, tensors, state,
+                             checkpoint_exports(actor.model, roles.tokenizer))
     faults.point("after_checkpoint", iteration)
     return folder
 
@@ -69,11 +77,11 @@ def restore_position(run_dir: Path, cfg: Config, roles, sampler, kl_ctl, data_ha
     if changes:
         raise CheckpointError(f"cannot resume from {folder}: " + "; ".join(changes))
     actor = roles.actor
-    actor.model.load_state_dict(tensors["actor_model"], strict=True)
+    load_trainable_state(actor.model, tensors["actor_model"])
     optimizer_from_flat(actor.optimizer, tensors["actor_optim"], state["actor_optim"])
     actor.set_counters(step=state["actor_step"], attempt=state["actor_attempt"], skipped_steps=state["actor_skipped"])
     if roles.critic is not None:
-        roles.critic.model.load_state_dict(tensors["critic_model"], strict=True)
+        load_trainable_state(roles.critic.model, tensors["critic_model"])
         optimizer_from_flat(roles.critic.optimizer, tensors["critic_optim"], state["critic_optim"])
         roles.critic.set_counters(step=state["critic_step"], skipped_steps=state.get("critic_skipped", 0))
     sampler.load_state_dict(state["sampler"])
@@ -96,7 +104,16 @@ def resume_changes(state: dict, cfg: Config, roles, data_hash: str) -> list[str]
     ref = roles.reference.version.to_json() if roles.reference else None
     changes += _nested_diff("reference_version", _json(state["reference_version"]), _json(ref))
     changes += _nested_diff("reward_fn", state.get("reward_fn"), reward_identity(roles.reward.pool.fn))
+    for key, now in _base_hashes(roles).items():   # LoRA: the adapter was trained on this base
+        if state.get(key) != now:
+            changes.append(f"{key}: {state.get(key)} -> {now}")
     return changes
+
+
+def _base_hashes(roles) -> dict[str, str]:
+    """LoRA: {actor_base_hash, critic_base_hash} of the models with an adapter (empty without)."""
+    models = {"actor_base_hash": roles.actor.model, "critic_base_hash": roles.critic.model if roles.critic else None}
+    return {k: h for k, m in models.items() if m is not None and (h := base_hash(m)) is not None}
 
 
 def _json(text: str | None):

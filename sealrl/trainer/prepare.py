@@ -11,6 +11,7 @@ import torch
 
 from sealrl.experience import ExperienceBatch, RewardRecord, Role, SampleMeta, pad_token_rows
 from sealrl.experience.store import write_iteration
+from sealrl.roles.common import batch_sum_pi_squared
 from sealrl.rollout.engine import RolloutSample
 from sealrl.trainer.derive import derive
 from sealrl.trainer.episodes import action_masks, put_episode_facts
@@ -60,6 +61,11 @@ def prepare(run, batch: ExperienceBatch, version) -> None:
             roles.actor.compute_old_log_probs(batch, version)
         else:  # bypass: the behaviour log-probs are the proximal anchor
             batch.put("old_log_probs", batch.get("rollout_log_probs").clone(), Role.ROLLOUT, version.id)
+    if run.cfg.algorithm.name == "optimal_token_baseline":
+        with run.stage("sum_pi_squared", "actor"):
+            sq = batch_sum_pi_squared(roles.actor.model, batch, run.cfg.rollout.temperature,
+                                      roles.tokenizer.pad_token_id, run.cfg.actor.micro_batch_size)
+            batch.put("sum_pi_squared", sq, Role.ACTOR, version.id)
 
 
 def advantages(run, batch: ExperienceBatch, it: int) -> dict:

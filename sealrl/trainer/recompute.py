@@ -44,7 +44,9 @@ from sealrl.trainer.iteration_metrics import ref_kl  # the driver's own function
 
 # Keys whose change would need facts the run never produced (another sample set, other log-probs).
 _NEEDS_NEW_FACTS = {"algorithm.old_log_prob": "the proximal log-probs are a fact of the run",
-                    "algorithm.reward_error": "it decided which samples and groups were kept"}
+                    "algorithm.reward_error": "it decided which samples and groups were kept",
+                    "algorithm.dynamic_sampling": "it decided which groups were kept",
+                    "algorithm.max_sampling_rounds": "it decided which groups were kept"}
 _DERIVED_TENSORS = ("scores", "token_rewards", "advantages", "returns")
 
 
@@ -125,6 +127,10 @@ def _check_facts(batch: ExperienceBatch, cfg: Config) -> None:
                           "loaded no reference model (its kl_coef was 0)")
     if cfg.algorithm.name == "ppo" and not batch.has("values"):
         raise ConfigError("algorithm.name=ppo needs critic values, and this run had no critic")
+    for name, fact, what in (("remax", "baseline_scores", "greedy baselines"),
+                             ("optimal_token_baseline", "sum_pi_squared", "per-token sums of squared probabilities")):
+        if cfg.algorithm.name == name and not batch.has(fact):
+            raise ConfigError(f"algorithm.name={name} needs {what} ({fact}), and this run did not record them")
 
 
 def _kl_controller(cfg: Config):

@@ -3,6 +3,7 @@ and the one context object (`Run`) the iteration's stages share. Kept apart from
 that the loop reads like the state machine."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.metadata
 import json
@@ -21,14 +22,16 @@ from sealrl.data.dataset import PromptSet, load_prompts, prompts_from_rows
 from sealrl.data.sampler import PromptSampler
 from sealrl.data.tasks import EMBEDDED_TASK, make_task
 from sealrl.experience import SamplingContract, digest
-from sealrl.models.hf import load_causal_lm, model_config_hash, tokenizer_hash
+from sealrl.models.hf import load_causal_lm, model_config_hash, padding_id, tokenizer_hash
 from sealrl.obs.timeline import StageTimer
 from sealrl.roles.actor import Actor
+from sealrl.roles.common import teacher_forcing
 from sealrl.roles.critic import Critic
 from sealrl.roles.reference import Reference
 from sealrl.roles.reward import Reward
 from sealrl.roles.rollout import Rollout
 from sealrl.sync.manifest import build_manifest
+from sealrl.trainer import adapters
 from sealrl.trainer.state import Phase, StateMachine
 from sealrl.trainer.watchdog import Watchdog
 
@@ -139,13 +142,10 @@ def build_sampler(cfg: Config, data: Data) -> PromptSampler:
 # ---- rewards ------------------------------------------------------------------------------
 
 def build_reward_fn(cfg: Config):
-    """reward.fn=auto picks the verifier of the task (math-verify for dataset files)."""
-    from sealrl.envs.verifiers import GuessVerifier, ToolAnswerMatch
-    from sealrl.rewards.verifiers import ArithmeticExactMatch, CountdownVerifier, MathVerifier
-    table = {"arith": ArithmeticExactMatch, "countdown": CountdownVerifier, "math": MathVerifier,
-             "mul3": ToolAnswerMatch, "guess": GuessVerifier}
-    name = cfg.reward.fn if cfg.reward.fn != "auto" else {"file": "math"}.get(cfg.data.task, cfg.data.task)
-    return table[name]()
+    """The scorer of the `reward` section (sealrl/rewards/from_config.py, docs/rewards.md);
+    reward.fn=auto picks the verifier of the task (math-verify for dataset files)."""
+    from sealrl.rewards.from_config import build_reward
+    return build_reward(cfg.reward, cfg.data.task)
 
 
 # ---- roles --------------------------------------------------------------------------------
@@ -188,33 +188,44 @@ def total_optimizer_steps(cfg: Config) -> int:
 
 def build_roles(cfg: Config, run_id: str) -> Roles:
     model, tokenizer = load_causal_lm(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    template, critic_model = model, None   # the rollout's structure; the critic when LoRA made it
+    if cfg.actor.lora.rank or cfg.critic.lora.rank:
+        model, template, critic_model = adapters.wrap_models(cfg, model)
     tok_hash = tokenizer_hash(tokenizer)
-    temperature, pad = cfg.rollout.temperature, tokenizer.pad_token_id
+    temperature, pad = cfg.rollout.temperature, padding_id(tokenizer, cfg.model.path)
     horizon = cfg.rollout.max_new_tokens
     make_actor = functools.partial(Actor, model, cfg.actor, cfg.algorithm, run_id, tok_hash, temperature,
                                    pad, total_optimizer_steps(cfg), horizon)
     actor = make_actor()
+    base = actor.base   # LoRA: the frozen base's manifest (else None)
     closers: list = []
     shared = shared_pool(cfg, closers)  # colocated actor ranks and rollout replicas, or None
     if cfg.placement.actor_ranks > 1:
         actor = data_parallel_role(cfg, "actor", make_actor, actor, closers, shared)
     episodes = episode_spec(cfg)
-    rollout = Rollout(model, tokenizer, episodes=episodes) if cfg.placement.backend == "local" else \
+    rollout = Rollout(template, tokenizer, episodes=episodes) if cfg.placement.backend == "local" else \
         ray_rollout_pool(cfg, model, tokenizer, closers, shared, episodes)
     if episodes is not None and cfg.placement.backend == "local":   # the local role's tool worker
         closers.append(rollout.episodes.close)
+    if base is not None:   # LoRA (local placement only): every version is an adapter on this base
+        rollout.pin_base(adapters.plain_base_state(model), base)
     reference = None
-    if cfg.algorithm.kl_coef > 0:  # no reference model is loaded when the KL coefficient is 0
+    if cfg.algorithm.kl_coef > 0 and base is not None:   # LoRA: the base with the adapter off, no copy
+        ref_version = dataclasses.replace(base.version, run_id="reference:base-adapter-off")
+        reference = Reference(model, ref_version, temperature, pad, cfg.actor.micro_batch_size, adapter_off=True)
+    elif cfg.algorithm.kl_coef > 0:  # no reference model is loaded when the KL coefficient is 0
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         ref_version = build_manifest(state, "reference", 0, 0, tok_hash, model_config_hash(model.config)).version
-        reference = Reference(model, ref_version, temperature, pad, cfg.actor.micro_batch_size)
+        reference = Reference(model, ref_version, temperature, pad, cfg.actor.micro_batch_size,
+                              tf=teacher_forcing(cfg.actor), dtype=cfg.actor.dtype)
     critic = None
     if cfg.algorithm.name == "ppo":
         from sealrl.models.critic import CriticModel
-        torch.manual_seed(cfg.run.seed + 1)
-        critic_model = CriticModel.from_causal_lm(model)   # backbone copied from the policy, new head
+        if critic_model is None:
+            torch.manual_seed(cfg.run.seed + 1)
+            critic_model = CriticModel.from_causal_lm(model)   # backbone copied from the policy, new head
         make_critic = functools.partial(Critic, critic_model, cfg.critic, pad, cfg.actor.micro_batch_size,
-                                        cfg.actor.loss_agg, horizon)
+                                        cfg.actor.loss_agg, horizon, tf=teacher_forcing(cfg.actor))
         critic = make_critic()
         if cfg.placement.critic_ranks > 1:
             critic = data_parallel_role(cfg, "critic", make_critic, critic, closers)
@@ -320,6 +331,7 @@ class Run:
     sm: StateMachine
     timer: StageTimer
     watchdog: Watchdog
+    sync_bytes: int = 0   # bytes the last weight sync moved (sync/bytes)
 
     @contextmanager
     def stage(self, name: str, role: str):

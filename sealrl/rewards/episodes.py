@@ -1,5 +1,6 @@
-"""Outcome verifiers of the built-in environments' tasks (picklable, like
-sealrl.rewards.verifiers; a wrong or malformed answer is a valid 0.0).
+"""Outcome verifiers of the built-in environments' tasks (sealrl/envs): reward.fn=tool_answer
+(data.task=mul3 with env.name=calc) and reward.fn=guess (data.task=guess with env.name=guess).
+Picklable, like sealrl.rewards.verifiers; a wrong or malformed answer is a valid 0.0.
 
 The response they read is the whole episode decoded: policy turns and observations. They
 judge only what the policy wrote: the tool task's answer is the text after the last
@@ -10,7 +11,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from sealrl.envs.guess import secret_of
 from sealrl.rewards.base import RewardSample
 from sealrl.rewards.verifiers import DEFAULT_EOS_TEXT, answer_text
 
@@ -40,5 +40,8 @@ class GuessVerifier:
     version: str = "1"
 
     def __call__(self, sample: RewardSample) -> float:
-        secret = secret_of(sample.ground_truth)
+        try:
+            secret = int(str(sample.ground_truth).strip())
+        except ValueError:
+            raise ValueError(f"guess: ground_truth must be an integer, got {sample.ground_truth!r}") from None
         return float(any(int(g) == secret for g in re.findall(r"(-?\d+)\?", sample.response)))

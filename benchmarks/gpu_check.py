@@ -1,0 +1,79 @@
+"""GPU checks of issue 14, in one prepared run (no GPU was lent when they were written; run
+this where one is): the GPU-marked tests, then on CUDA in fp32 and bf16 the chunked and packed
+log-probs against the full-logits padded path, and the peak CUDA memory of both at the mid
+shape's LM head. Prints one JSON line; exits non-zero when a check fails.
+
+    .venv/bin/python benchmarks/gpu_check.py            (about a minute on one GPU)
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+
+
+def head_memory(dtype: torch.dtype, chunk: int) -> dict:
+    from sealrl.models.chunked import chunked_log_probs
+    from sealrl.models.logprobs import token_entropy, token_log_probs
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(8192, 384, device="cuda", generator=g).requires_grad_(True)
+    w = (torch.randn(16384, 384, device="cuda", generator=g) * 0.05).requires_grad_(True)
+    tok = torch.randint(0, 16384, (8192,), device="cuda", generator=g)
+    out = {}
+    for name in ("full", "chunked"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+            if name == "full":
+                logits = h @ w.t()
+                lp, ent = token_log_probs(logits, tok), token_entropy(logits)
+            else:
+                lp, ent = chunked_log_probs(h, w, tok, 1.0, chunk, with_entropy=True)
+        (lp.sum() + 0.01 * ent.sum()).backward()
+        torch.cuda.synchronize()
+        out[name] = {"peak_mib": round((torch.cuda.max_memory_allocated() - base) / 2 ** 20, 1),
+                     "lp_sum": float(lp.sum())}
+        h.grad = w.grad = None
+    return out
+
+
+def model_parity() -> dict:
+    from sealrl.models.logprobs import response_log_probs
+    from sealrl.models.packing import packed_log_probs, padded_chunked_log_probs
+    from sealrl.models.synthetic import build_mid
+    model = build_mid(seed=0)[0].cuda()
+    prompts = [[11, 12, 14, 8, 6, 18], [5, 9], [20] * 30]
+    responses = [list(range(100, 164)), [7], list(range(300, 340))]
+    out = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        with torch.no_grad(), torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+            ref, _, mask = response_log_probs(model, prompts, responses)
+            packed, _, _ = packed_log_probs(model, prompts, responses, chunk=256)
+            chunked, _, _ = padded_chunked_log_probs(model, prompts, responses, 1.0, 0, False, 256)
+        out[name] = {"packed_gap": float((packed - ref).abs().max()), "chunked_gap": float((chunked - ref).abs().max())}
+    return out
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print(json.dumps({"skipped": "no CUDA device visible"}))
+        return 0
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests"], capture_output=True, text=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    report = {"device": torch.cuda.get_device_name(), "gpu_tests_rc": tests.returncode,
+              "gpu_tests_tail": tests.stdout.strip().splitlines()[-1:],
+              "head_fp32": head_memory(torch.float32, 1024), "head_bf16": head_memory(torch.bfloat16, 1024),
+              "parity": model_parity()}
+    ok = (tests.returncode == 0 and report["parity"]["fp32"]["packed_gap"] <= 1e-4
+          and report["parity"]["fp32"]["chunked_gap"] <= 1e-4
+          and report["head_fp32"]["chunked"]["peak_mib"] < report["head_fp32"]["full"]["peak_mib"])
+    report["ok"] = ok
+    print(json.dumps(report))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

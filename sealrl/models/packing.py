@@ -1,0 +1,203 @@
+"""Packed sequences, token-budget micro-batches, and the one entry point of every
+teacher-forced pass (reference, old log-probs, update, critic).
+
+packed (`pack_sequences`): the sequences of a micro-batch concatenated in one row of width
+N = sum of lengths, no padding, position ids restarting at 0 for each sequence:
+
+    input_ids   [p0 p1 p2 r0 r1 | q0 q1 s0 s1 s2]      (1, N)
+    position    [ 0  1  2  3  4 |  0  1  2  3  4]
+
+transformers 5 (masking_utils.find_packed_sequence_indices) turns restarting position ids into
+a block-diagonal causal mask for sdpa/eager/flex and into cu_seqlens for flash attention,
+provided no 2D attention mask and no cache are passed; so the packed forward sends
+`position_ids` only, with `use_cache=False`, and attention never crosses sequences
+(tests/test_models_packing.py checks packed == padded == one-by-one). Packing spends no FLOPs
+on padding, which matters when lengths differ a lot.
+
+`TeacherForcing` holds the options every role shares (micro-batch size or token budget,
+packing, logit chunking) and runs one micro-batch. With its defaults it calls
+`logprobs.response_log_probs` exactly as before (the default runs stay bitwise the same).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from sealrl.models.chunked import chunked_log_probs, output_weight
+from sealrl.models.logprobs import (
+    _check_pairs,
+    pad_batch,
+    response_log_probs,
+    response_window,
+    token_entropy,
+    token_log_probs,
+)
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """All sequences (prompt + response) concatenated in one row, no padding."""
+
+    input_ids: Tensor           # (1, N) long
+    position_ids: Tensor        # (1, N) long, restarting at 0 per sequence
+    starts: tuple[int, ...]     # offset of each sequence in the row
+    prompt_lens: tuple[int, ...]
+    response_lens: tuple[int, ...]
+
+    def predicting_index(self, extra: int = 0) -> Tensor:
+        """Flat positions whose states predict each response token, in sequence order; with
+        extra=1 also the position of each sequence's last token (the state after it)."""
+        idx = [s + p - 1 + j for s, p, r in zip(self.starts, self.prompt_lens, self.response_lens)
+               for j in range(r + extra)]
+        return torch.tensor(idx, dtype=torch.long, device=self.input_ids.device)
+
+    def response_mask(self, extra: int = 0) -> Tensor:
+        """(B, R+extra) bool: which padded slots the flat per-token values go to."""
+        R = max(self.response_lens, default=0) + extra
+        lens = torch.tensor(self.response_lens, device=self.input_ids.device) + extra
+        return torch.arange(R, device=self.input_ids.device)[None, :] < lens[:, None]
+
+    def to_padded(self, flat: Tensor, extra: int = 0) -> Tensor:
+        """Scatter per-token values (M,) into (B, R+extra) right-padded rows, 0 elsewhere."""
+        mask = self.response_mask(extra)
+        out = flat.new_zeros(mask.shape)
+        return out.masked_scatter(mask, flat)  # row-major, matching predicting_index
+
+
+def pack_sequences(prompts: list[list[int]], responses: list[list[int]],
+                   device: str | torch.device = "cpu") -> PackedBatch:
+    """Concatenate every prompt+response into one row with per-sequence position ids."""
+    _check_pairs(prompts, responses)
+    ids, pos, starts = [], [], []
+    for p, r in zip(prompts, responses):
+        starts.append(len(ids))
+        ids.extend(p)
+        ids.extend(r)
+        pos.extend(range(len(p) + len(r)))
+    return PackedBatch(torch.tensor([ids], dtype=torch.long, device=device),
+                       torch.tensor([pos], dtype=torch.long, device=device), tuple(starts),
+                       tuple(len(p) for p in prompts), tuple(len(r) for r in responses))
+
+
+def partition_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices into `lengths` split into the fewest balanced parts of at most `budget` tokens.
+
+    Longest first, each to the part with the fewest tokens so far (ties: the first), starting
+    from ceil(total / budget) parts and adding one while a part is over budget. A sequence
+    longer than the budget gets a part of its own (sequences are never split). Each part is
+    in ascending index order, the parts in order of their first index; deterministic.
+    """
+    if budget < 1:
+        raise ValueError(f"token budget must be >= 1, got {budget}")
+    n = len(lengths)
+    if n == 0:
+        return []
+    order = sorted(range(n), key=lambda i: (-lengths[i], i))
+    k = max(1, math.ceil(sum(lengths) / budget))
+    while True:
+        parts: list[list[int]] = [[] for _ in range(k)]
+        loads = [0] * k
+        for i in order:
+            j = loads.index(min(loads))
+            parts[j].append(i)
+            loads[j] += lengths[i]
+        over = [j for j in range(k) if loads[j] > budget and len(parts[j]) > 1]
+        if not over or k >= n:
+            break
+        k += 1
+    return sorted((sorted(p) for p in parts if p), key=lambda p: p[0])
+
+
+def _flat_log_probs(model, hidden_or_logits: Tensor, tokens: Tensor, temperature: float, chunk: int,
+                    with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    if chunk:
+        return chunked_log_probs(hidden_or_logits, output_weight(model), tokens, temperature, chunk, with_entropy)
+    lp = token_log_probs(hidden_or_logits, tokens, temperature)
+    return lp, token_entropy(hidden_or_logits, temperature) if with_entropy else None
+
+
+def packed_log_probs(model, prompts: list[list[int]], responses: list[list[int]], temperature: float = 1.0,
+                     with_entropy: bool = False, chunk: int = 0) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Same contract and numbers as logprobs.response_log_probs, computed on one packed row;
+    `chunk` > 0 applies the LM head `chunk` tokens at a time (models/chunked.py)."""
+    device = next(model.parameters()).device
+    packed = pack_sequences(prompts, responses, device)
+    index = packed.predicting_index()  # (M,)
+    targets = packed.input_ids[0, index + 1]  # (M,) the token each position predicts
+    if chunk:
+        hidden = model.get_decoder()(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                                     use_cache=False).last_hidden_state[0, index]  # (M, H)
+        flat_lp, flat_ent = _flat_log_probs(model, hidden, targets, temperature, chunk, with_entropy)
+    else:  # logits_to_keep as an index tensor: the LM head runs on the M predicting positions only
+        logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
+                       logits_to_keep=index).logits[0]  # (M, V)
+        flat_lp, flat_ent = _flat_log_probs(model, logits, targets, temperature, 0, with_entropy)
+    mask = packed.response_mask().float()
+    entropy = packed.to_padded(flat_ent) if with_entropy else None
+    return packed.to_padded(flat_lp), entropy, mask
+
+
+def padded_chunked_log_probs(model, prompts: list[list[int]], responses: list[list[int]], temperature: float,
+                             pad_id: int, with_entropy: bool, chunk: int) -> tuple[Tensor, Tensor | None, Tensor]:
+    """response_log_probs on the padded layout, the LM head applied `chunk` tokens at a time."""
+    device = next(model.parameters()).device
+    batch = pad_batch(prompts, responses, pad_id, device)
+    hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                 position_ids=batch.position_ids, use_cache=False).last_hidden_state
+    keep = batch.response_mask.bool()
+    flat_lp, flat_ent = _flat_log_probs(model, response_window(hidden, batch)[keep], batch.response_ids[keep],
+                                        temperature, chunk, with_entropy)
+    lp = torch.zeros(keep.shape, dtype=flat_lp.dtype, device=device).masked_scatter(keep, flat_lp)
+    ent = torch.zeros_like(lp).masked_scatter(keep, flat_ent) if with_entropy else None
+    return lp, ent, batch.response_mask
+
+
+def packed_values(critic, prompts: list[list[int]], responses: list[list[int]]) -> tuple[Tensor, Tensor, Tensor]:
+    """CriticModel.values on one packed row: (values (B,R), last_values (B,), response_mask (B,R))."""
+    device = next(critic.parameters()).device
+    packed = pack_sequences(prompts, responses, device)
+    hidden = critic.backbone(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                             use_cache=False).last_hidden_state[0]  # (N, H)
+    flat = critic.value_head(hidden[packed.predicting_index(extra=1)].float()).squeeze(-1)  # (M + B,)
+    v = packed.to_padded(flat, extra=1)  # (B, R+1)
+    lens = torch.tensor(packed.response_lens, device=device)
+    mask = packed.response_mask().float()
+    return v[:, :mask.shape[1]] * mask, v.gather(1, lens[:, None]).squeeze(1), mask
+
+
+@dataclass(frozen=True)
+class TeacherForcing:
+    """How a role runs its teacher-forced passes: micro-batches by sample count or by a token
+    budget, padded or packed, full or chunked logits. The defaults are the original path."""
+
+    micro_batch_size: int = 64   # samples per micro-batch (when max_tokens is 0)
+    max_tokens: int = 0          # token budget per micro-batch, balanced parts (0 = by count)
+    pack: bool = False           # packed rows instead of padded batches
+    chunk: int = 0               # LM-head chunk in tokens (0 = full logits)
+
+    def micro_batches(self, lengths: list[int]) -> list[list[int]]:
+        """Indices into `lengths` (prompt + response tokens per sample), one list per micro-batch."""
+        if self.max_tokens:
+            return partition_by_tokens(lengths, self.max_tokens)
+        n, size = len(lengths), self.micro_batch_size
+        return [list(range(s, min(n, s + size))) for s in range(0, n, size)]
+
+    def log_probs(self, model, prompts: list[list[int]], responses: list[list[int]], temperature: float,
+                  pad_id: int, with_entropy: bool = False) -> tuple[Tensor, Tensor | None, Tensor]:
+        """(log_probs (B,R), entropy (B,R) or None, response_mask (B,R)), 0 past each response."""
+        if self.pack:
+            return packed_log_probs(model, prompts, responses, temperature, with_entropy, self.chunk)
+        if self.chunk:
+            return padded_chunked_log_probs(model, prompts, responses, temperature, pad_id, with_entropy,
+                                            self.chunk)
+        return response_log_probs(model, prompts, responses, temperature=temperature, pad_id=pad_id,
+                                  with_entropy=with_entropy)
+
+    def values(self, critic, prompts: list[list[int]], responses: list[list[int]], pad_id: int):
+        """CriticModel.values, packed or padded."""
+        if self.pack:
+            return packed_values(critic, prompts, responses)
+        return critic.values(prompts, responses, pad_id=pad_id)

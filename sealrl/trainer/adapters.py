@@ -1,0 +1,48 @@
+"""LoRA in the run's setup (models/lora.py): which models get an adapter, made in an order that
+lets the rollout's template and the critic's backbone come from the plain policy, and the base
+hashes a checkpoint records so that a resume on another base is refused."""
+from __future__ import annotations
+
+import torch
+
+from sealrl.config import Config, ConfigError
+from sealrl.models.lora import apply_lora, base_state, has_lora
+from sealrl.rollout.backends import weightless_template
+from sealrl.sync.manifest import build_manifest
+
+
+def wrap_models(cfg: Config, model):
+    """(actor model, rollout template, critic model or None) when actor.lora or critic.lora is on.
+    The template (the rollout engine's structure, no weights) and the critic's backbone are taken
+    from the plain policy before its adapter is injected (peft rewrites the model in place).
+    Seeds: the critic as without LoRA (run.seed + 1), the adapters' A factors run.seed + 2 / + 3."""
+    if cfg.placement.backend != "local":
+        raise ConfigError("actor.lora / critic.lora need placement.backend=local: adapter sync to Ray replicas "
+                          "and data-parallel ranks is not built yet", "placement.backend")
+    if cfg.actor.lora.rank and cfg.rollout.dtype != "fp32":
+        raise ConfigError(f"actor.lora with rollout.dtype={cfg.rollout.dtype}: the rollout merges the adapter into "
+                          "its fp32 base; a bf16 rollout copy of an adapter is not built yet", "rollout.dtype")
+    template = weightless_template(model)
+    critic = None
+    if cfg.algorithm.name == "ppo":
+        from sealrl.models.critic import CriticModel
+        torch.manual_seed(cfg.run.seed + 1)
+        critic = CriticModel.from_causal_lm(model)
+        if cfg.critic.lora.rank:   # the value head stays outside the adapter and trains in full
+            critic.backbone = apply_lora(critic.backbone, cfg.critic.lora, "critic.lora", cfg.run.seed + 3)
+    if cfg.actor.lora.rank:
+        model = apply_lora(model, cfg.actor.lora, "actor.lora", cfg.run.seed + 2)
+    return model, template, critic
+
+
+def base_hash(model) -> str | None:
+    """weights_hash of the frozen base under a LoRA adapter (None without one)."""
+    if not has_lora(model):
+        return None
+    return build_manifest({k: v.detach().cpu() for k, v in base_state(model).items()}, "base", 0, 0, "", ""
+                          ).version.weights_hash
+
+
+def plain_base_state(model) -> dict[str, torch.Tensor]:
+    """The base's tensors under their plain names, detached on the CPU (the rollout pins them)."""
+    return {k: v.detach().cpu() for k, v in base_state(model).items()}
