@@ -129,6 +129,7 @@ class RolloutConfig:
     top_k: int = 0                         # top-k filter (0 = off)
     max_new_tokens: int = 8                # response budget; hitting it is a truncation
     max_retries: int = 1                   # regenerations of a failed sample before its group is dropped
+    max_staleness: int = 0                 # publications generation may lag the actor (0 = synchronous)
 
     def __post_init__(self):
         _check(self.n >= 1, "rollout.n", ">= 1", self.n)
@@ -136,6 +137,7 @@ class RolloutConfig:
         _check(0 < self.top_p <= 1, "rollout.top_p", "in (0, 1]", self.top_p)
         _check(self.top_k >= 0, "rollout.top_k", ">= 0", self.top_k)
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", self.max_new_tokens)
+        _check(self.max_staleness >= 0, "rollout.max_staleness", ">= 0 (0 = synchronous)", self.max_staleness)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -390,6 +392,13 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"actor.mini_batch_size={mini} must divide the batch data.prompts_per_iter * "
                           f"rollout.n = {cfg.data.prompts_per_iter} * {cfg.rollout.n} = {batch}",
                           "actor.mini_batch_size")
+    if cfg.rollout.max_staleness and cfg.algorithm.old_log_prob != "recompute":   # trainer/pipeline.py
+        raise ConfigError("rollout.max_staleness > 0 needs algorithm.old_log_prob=recompute: the trust-region "
+                          "anchor must be the actor consuming the samples, not the stale sampler",
+                          "algorithm.old_log_prob")
+    if cfg.rollout.max_staleness and cfg.placement.backend != "local":
+        raise ConfigError("rollout.max_staleness > 0 needs placement.backend=local (the rollout retains the "
+                          "versions generation may still use; a Ray replica pool does not yet)", "placement.backend")
 
 
 def _yaml_error(path: str, e: yaml.YAMLError) -> ConfigError:
