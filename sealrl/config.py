@@ -396,6 +396,10 @@ def check_config(cfg: Config) -> None:
         raise ConfigError("rollout.max_staleness > 0 needs algorithm.old_log_prob=recompute: the trust-region "
                           "anchor must be the actor consuming the samples, not the stale sampler",
                           "algorithm.old_log_prob")
+    if cfg.rollout.max_staleness and cfg.algorithm.correction not in ("token_is", "seq_is"):
+        raise ConfigError("rollout.max_staleness > 0 needs algorithm.correction=token_is or seq_is: the truncated "
+                          "importance weights behaviour -> proximal of the decoupled PPO objective "
+                          "(algos/decoupled.py)", "algorithm.correction")
     if cfg.rollout.max_staleness and cfg.placement.backend != "local":
         raise ConfigError("rollout.max_staleness > 0 needs placement.backend=local (the rollout retains the "
                           "versions generation may still use; a Ray replica pool does not yet)", "placement.backend")

@@ -246,5 +246,8 @@ def test_config_refuses_staleness_with_a_stale_anchor():
     cfg = build_config(None, ["rollout.max_staleness=1", "algorithm.old_log_prob=bypass"])
     with pytest.raises(ConfigError, match="needs algorithm.old_log_prob=recompute"):
         check_config(cfg)
+    with pytest.raises(ConfigError, match="needs algorithm.correction=token_is or seq_is"):
+        check_config(build_config(None, ["rollout.max_staleness=1"]))
+    check_config(build_config(None, ["rollout.max_staleness=2", "algorithm.correction=seq_is"]))
     with pytest.raises(ConfigError, match="rollout.max_staleness"):
         build_config(None, ["rollout.max_staleness=-1"])
