@@ -280,3 +280,24 @@ def test_an_async_run_killed_between_checkpoints_resumes_without_loss_or_duplica
     _, whole = _train(tmp_path / "whole", "crash", *extra)   # the same run, never interrupted
     prompts = lambda r: [(x["iteration"], x["prompt_id"]) for x in map(json.loads, (r / "ledger.jsonl").open())]  # noqa: E731
     assert prompts(run) == prompts(whole)
+
+
+def test_a_failure_in_the_generation_lane_is_raised_in_the_training_lane(monkeypatch):
+    from types import SimpleNamespace
+
+    from sealrl.obs.timeline import StageTimer
+    from sealrl.trainer.pipeline import Pipeline
+
+    def broken(run, it, indices, version):
+        raise RuntimeError(f"reward pool gone at iteration {it}")
+    monkeypatch.setattr(pipeline_module, "produce", broken)
+    sampler = SimpleNamespace(state_dict=lambda: {}, next_batch=lambda: [0])
+    run = SimpleNamespace(cfg=build_config(None, ["rollout.max_staleness=1"]), timer=StageTimer(),
+                          roles=SimpleNamespace(rollout=SimpleNamespace(retain=lambda n: None)), sampler=sampler)
+    lanes = Pipeline(run, 0, 3, _version(0), threaded=True)
+    try:
+        with pytest.raises(RuntimeError, match="reward pool gone at iteration 0"):
+            lanes.get(0)
+    finally:
+        lanes.close()
+    assert not lanes._thread.is_alive()
