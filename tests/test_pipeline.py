@@ -301,3 +301,23 @@ def test_a_failure_in_the_generation_lane_is_raised_in_the_training_lane(monkeyp
     finally:
         lanes.close()
     assert not lanes._thread.is_alive()
+
+
+def test_the_report_plots_the_realised_staleness(async_runs):
+    from sealrl.obs.report import render
+    html = render(async_runs[2])
+    chart = next(c for c in html.split('<svg class="chart"') if "Realised staleness" in c)
+    assert "versions behind the consuming actor" in chart and "mean" in chart and "max" in chart
+    assert "Realised staleness" not in render_sync(async_runs[2])
+
+
+def render_sync(run: Path) -> str:
+    """The same report with the staleness metrics removed (a k = 0 run logs none)."""
+    from sealrl.obs.report import render
+    copy = run.parent / f"{run.name}_sync_view"
+    if not copy.exists():
+        shutil.copytree(run, copy)
+        rows = [json.loads(x) for x in (copy / "metrics.jsonl").read_text().splitlines()]
+        (copy / "metrics.jsonl").write_text("".join(
+            json.dumps({k: v for k, v in r.items() if not k.startswith("staleness/")}) + "\n" for r in rows))
+    return render(copy)
