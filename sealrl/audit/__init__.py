@@ -63,7 +63,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register `sealrl audit` on the CLI's subparsers; its handler is `args.fn(args) -> int`."""
     p = subparsers.add_parser("audit", help="check a run folder's sealed experience and ledger",
                               description="Check that every trained sample of a run is sealed, used once, "
-                              "in a complete group, sampled by the version committed just before it, with "
+                              "in a complete group, sampled by the version committed just before it (or at most "
+                              "rollout.max_staleness versions before it), with "
                               "consistent masks, declared producers, honest rewards and a complete ledger. "
                               "Exit status 1 on any violation.")
     p.add_argument("run_dir", help="runs/<name>")
