@@ -131,6 +131,7 @@ class RolloutConfig:
     max_new_tokens: int = 8                # response budget; hitting it is a truncation
     max_retries: int = 1                   # regenerations of a failed sample before its group is dropped
     dtype: str = "fp32"                    # fp32 | bf16: the weights the actor exports to the rollout (checksummed)
+    max_staleness: int = 0                 # publications generation may lag the actor (0 = synchronous)
 
     def __post_init__(self):
         _check(self.n >= 1, "rollout.n", ">= 1", self.n)
@@ -139,6 +140,7 @@ class RolloutConfig:
         _check(self.top_k >= 0, "rollout.top_k", ">= 0", self.top_k)
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", self.max_new_tokens)
         _check(self.dtype in ("fp32", "bf16"), "rollout.dtype", "fp32 | bf16", self.dtype)
+        _check(self.max_staleness >= 0, "rollout.max_staleness", ">= 0 (0 = synchronous)", self.max_staleness)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -476,6 +478,20 @@ def check_config(cfg: Config) -> None:
     if (cfg.algorithm.name == "grpo_passk" or cfg.algorithm.dynamic_sampling) and cfg.rollout.n < 2:
         raise ConfigError(f"algorithm.name=grpo_passk and algorithm.dynamic_sampling need rollout.n >= 2 "
                           f"(a group of one has no runner-up and no variance), got {cfg.rollout.n}", "rollout.n")
+    if cfg.rollout.max_staleness and cfg.algorithm.old_log_prob != "recompute":   # trainer/pipeline.py
+        raise ConfigError("rollout.max_staleness > 0 needs algorithm.old_log_prob=recompute: the trust-region "
+                          "anchor must be the actor consuming the samples, not the stale sampler",
+                          "algorithm.old_log_prob")
+    if cfg.rollout.max_staleness and cfg.algorithm.correction not in ("token_is", "seq_is"):
+        raise ConfigError("rollout.max_staleness > 0 needs algorithm.correction=token_is or seq_is: the truncated "
+                          "importance weights behaviour -> proximal of the decoupled PPO objective "
+                          "(algos/decoupled.py)", "algorithm.correction")
+    if cfg.rollout.max_staleness and (cfg.algorithm.dynamic_sampling or cfg.algorithm.name == "remax"):
+        raise ConfigError("rollout.max_staleness > 0 with algorithm.dynamic_sampling or algorithm.name=remax is not "
+                          "built yet (their extra rounds sample in the training lane)", "rollout.max_staleness")
+    if cfg.rollout.max_staleness and cfg.placement.backend != "local":
+        raise ConfigError("rollout.max_staleness > 0 needs placement.backend=local (the rollout retains the "
+                          "versions generation may still use; a Ray replica pool does not yet)", "placement.backend")
 
 
 def _yaml_error(path: str, e: yaml.YAMLError) -> ConfigError:

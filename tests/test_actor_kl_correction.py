@@ -60,11 +60,13 @@ def test_the_loss_applies_the_coefficient_it_is_given():
 
 
 def test_kl_beta_logged_is_the_coefficient_the_loss_and_the_reward_got(monkeypatch):
-    """Through trainer.update with an adaptive controller (target 0.01, horizon 16, batches of
-    8 samples, measured KL 0): e = -1 -> -0.2, step -0.2 * 8 / 16 = -0.1, beta 0.1, 0.09, 0.081."""
+    """Through the driver's advantage and update stages with an adaptive controller (target
+    0.01, horizon 16, batches of 8 samples, measured KL 0): e = -1 -> -0.2, step -0.2 * 8 / 16
+    = -0.1, beta 0.1, 0.09, 0.081."""
+    from sealrl.trainer import prepare as prepare_stage
     from sealrl.trainer import update as update_stage
     derived, applied = [], []
-    monkeypatch.setattr(update_stage, "derive", lambda batch, algo, beta, *a: derived.append(beta) or {})
+    monkeypatch.setattr(prepare_stage, "derive", lambda batch, algo, beta, *a: derived.append(beta) or {})
     monkeypatch.setattr(update_stage, "ref_kl", lambda batch: 0.0)
 
     class RecordingActor:
@@ -79,7 +81,10 @@ def test_kl_beta_logged_is_the_coefficient_the_loss_and_the_reward_got(monkeypat
     run = SimpleNamespace(cfg=cfg, kl_ctl=AdaptiveKLController(0.1, 0.01, 16),
                           roles=SimpleNamespace(actor=RecordingActor(), critic=None),
                           stage=lambda *a: contextlib.nullcontext())
-    logged = [update_stage.update(run, list(range(8)), V0, it)["kl/beta"] for it in range(3)]
+    logged = []
+    for it in range(3):   # the advantages (reward-shaping path) before the seal, then the update (loss)
+        prepare_stage.advantages(run, list(range(8)), it)
+        logged.append(update_stage.update(run, list(range(8)), V0, it)["kl/beta"])
     assert logged == applied == derived
     assert applied == pytest.approx([0.1, 0.09, 0.081])
 

@@ -6,8 +6,9 @@ for every trained sample (DESIGN sections 3-4), from the files alone, with no mo
     used_once        each sample trained once; each iteration consumed once (consumed.jsonl), by
                      a step never before the previous iteration's
     groups_complete  groups of exactly rollout.n candidates 0..n-1 of one prompt, ids consistent
-    policy_version   one declared version per iteration, of this run, committed just before it;
-                     the update took no more optimizer steps than its minibatches
+    policy_version   one declared version per iteration, of this run, committed at most
+                     rollout.max_staleness versions before the one its update started from (0:
+                     just before it); the update took no more optimizer steps than its minibatches
     masks            token-aligned lists as long as the response; log-probs finite and <= 0
     provenance       each field from a declared producer, at the version it must have
     rewards          errors carry no total and are never a score (except the explicit penalty)
@@ -64,7 +65,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register `sealrl audit` on the CLI's subparsers; its handler is `args.fn(args) -> int`."""
     p = subparsers.add_parser("audit", help="check a run folder's sealed experience and ledger",
                               description="Check that every trained sample of a run is sealed, used once, "
-                              "in a complete group, sampled by the version committed just before it, with "
+                              "in a complete group, sampled by the version committed just before it (or at most "
+                              "rollout.max_staleness versions before it), with "
                               "consistent masks, declared producers, honest rewards and a complete ledger. "
                               "Exit status 1 on any violation.")
     p.add_argument("run_dir", help="runs/<name>")

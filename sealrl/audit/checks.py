@@ -18,6 +18,7 @@ from typing import Callable, Iterator
 from sealrl.audit.episodes import check_episodes
 from sealrl.audit.folder import IterationFile, RunFolder
 from sealrl.audit.report import Violation
+from sealrl.audit.staleness import actor_step_before, committed_chain, staleness_problem, step_of
 from sealrl.config import ConfigError
 from sealrl.experience.fields import FIELDS, Align
 from sealrl.experience.ids import PolicyVersion, group_id, split_sample_id
@@ -149,7 +150,10 @@ def check_groups_complete(run: RunFolder) -> Iterator[Violation]:
 
 def check_policy_version(run: RunFolder) -> Iterator[Violation]:
     """One declared policy version of this run per iteration, and the chain holds: iteration i
-    samples from the version committed by iteration i-1's update (step 0 for iteration 0)."""
+    samples from a version at most rollout.max_staleness commits before the one its update
+    starts from, the version iteration i-1's update committed (step 0 for iteration 0): with
+    max_staleness 0, exactly that version (audit/staleness.py)."""
+    bound, chain = run.cfg.rollout.max_staleness, committed_chain(run)
     for f in run.readable:
         v = lambda msg: Violation("policy_version", msg, f.iteration)  # noqa: E731, B023
         used = set(f.cols.get("policy_version", ()))
@@ -166,28 +170,25 @@ def check_policy_version(run: RunFolder) -> Iterator[Violation]:
             yield v(f"declared version of {pv} hashes to {version.id}")
         if version.run_id != run.run_id:
             yield v(f"policy version {pv} belongs to run {version.run_id!r}, not {run.run_id!r}")
-        if f.iteration == 0:
-            expected = 0
-        else:
-            before = run.file(f.iteration - 1)
-            expected = before.one("consumed_step") if before is not None and before.readable else None
-            if expected is None:
-                yield v(f"iteration {f.iteration - 1} has no file with one consumed_step (missing, unreadable "
-                        "or mixed): the version chain cannot be followed")
-                continue
-        if version.step != expected:
+        expected = actor_step_before(run, f.iteration)
+        if expected is None:
+            yield v(f"iteration {f.iteration - 1} has no file with one consumed_step (missing, unreadable "
+                    "or mixed): the version chain cannot be followed")
+            continue
+        problem = staleness_problem(chain, expected, version.step, bound)
+        if problem:
             yield v(f"sampled by {pv} (step {version.step}) but the version committed before this iteration "
-                    f"is step {expected}")
+                    f"is step {expected}: {problem}")
         consumed = f.one("consumed_step")
         # equal: every optimizer step of the iteration was skipped (non-finite gradients), so no
         # new version was committed; the next iteration's chain check then holds it to that
-        if consumed is not None and consumed < version.step:
-            yield v(f"consumed at step {consumed}, before the sampling version's step {version.step}")
+        if consumed is not None and consumed < expected:
+            yield v(f"consumed at step {consumed}, before the step {expected} its update started from")
         elif consumed is not None:
             actor = run.cfg.actor   # steps skipped for a non-finite gradient do not count: at most
             most = actor.ppo_epochs * -(-f.num_rows // (actor.mini_batch_size or f.num_rows))
-            if consumed - version.step > most:
-                yield v(f"{consumed - version.step} optimizer steps consumed {f.num_rows} samples; "
+            if consumed - expected > most:
+                yield v(f"{consumed - expected} optimizer steps consumed {f.num_rows} samples; "
                         f"actor.ppo_epochs x minibatches allow at most {most}")
 
 
@@ -242,7 +243,8 @@ def check_provenance(run: RunFolder) -> Iterator[Violation]:
         for name in ("response_mask", "rollout_log_probs", "filtered_log_probs"):
             if name in fields and policy is not None and fields[name].get("version") != policy:
                 yield v(f"{name} has version {fields[name].get('version')}, samples were drawn by {policy}")
-        yield from _old_log_probs(f, fields, policy, algo.old_log_prob, v)
+        yield from _old_log_probs(f, fields, policy, algo.old_log_prob, v, actor_step_before(run, f.iteration)
+                                  if run.cfg.rollout.max_staleness else None)
         ref = fields.get("ref_log_probs")
         named = f.one("extra.reference_version")
         if ref is not None:
@@ -267,7 +269,10 @@ def check_provenance(run: RunFolder) -> Iterator[Violation]:
                         f"{sorted(reference_versions)}")
 
 
-def _old_log_probs(f: IterationFile, fields: dict, policy: str | None, configured: str, v) -> Iterator[Violation]:
+def _old_log_probs(f: IterationFile, fields: dict, policy: str | None, configured: str, v,
+                   actor_step: int | None = None) -> Iterator[Violation]:
+    """`actor_step` (rollout.max_staleness > 0): the step of the actor consuming the batch, whose
+    version recomputed old_log_probs (the proximal policy); else they carry the sampling version."""
     old = fields.get("old_log_probs")
     if old is None:
         yield v("no old_log_probs: the proximal anchor of the update is not recorded")
@@ -280,7 +285,11 @@ def _old_log_probs(f: IterationFile, fields: dict, policy: str | None, configure
         yield v(f"old_log_prob_mode {mode} but algorithm.old_log_prob={configured}")
     if old.get("producer") != OLD_PRODUCER[mode]:
         yield v(f"old_log_probs produced by {old.get('producer')!r}; mode {mode} means {OLD_PRODUCER[mode]}")
-    if policy is not None and old.get("version") != policy:
+    if actor_step is not None and mode == "recompute":
+        if step_of(old.get("version")) != actor_step:
+            yield v(f"old_log_probs has version {old.get('version')}, the actor consuming the batch "
+                    f"is step {actor_step}")
+    elif policy is not None and old.get("version") != policy:
         yield v(f"old_log_probs has version {old.get('version')}, samples were drawn by {policy}")
     if mode == "bypass" and "old_log_probs" in f.cols and f.cols["old_log_probs"] != f.cols.get("rollout_log_probs"):
         yield v("bypass mode but old_log_probs differ from rollout_log_probs")

@@ -103,6 +103,10 @@ def charts(rows: list[dict], summary: dict) -> list[str]:
                                      _series(rows, "actor/clip_frac_lower", c[1], "lower (A < 0)"),
                                      _series(rows, "actor/clip_frac_dual", c[4], "dual")], "share of tokens"),
     ]
+    if any("staleness/max" in r for r in rows):   # rollout.max_staleness >= 1 (docs/async.md)
+        out.append(line_chart("Realised staleness", [_series(rows, "staleness/mean", c[0], "mean"),
+                                                     _series(rows, "staleness/max", c[1], "max")],
+                              "versions behind the consuming actor"))
     breakdown = [stage_breakdown(r) for r in rows]
     stacks = {stage: [b.get(stage, 0.0) for b in breakdown] for stage in mean_stage_shares(rows)}
     xs, stacks, size = binned([r["iteration"] for r in rows], stacks)

@@ -95,6 +95,22 @@ class StageTimer:
     def start_iteration(self, iteration: int) -> None:
         self.iteration, self.stage_seconds, self.stage_spans = iteration, {}, []
 
+    def lane(self) -> StageTimer:
+        """A timer for another thread's stages on this timeline (same clock, no trace file of
+        its own): what it records reaches trace.json through `absorb`."""
+        lane = StageTimer(None, self.workers)
+        lane._t0 = self._t0
+        return lane
+
+    def absorb(self, other: StageTimer) -> None:
+        """Take in the seconds, spans and trace events another lane's timer recorded (the
+        generation lane of an asynchronous pipeline), as if timed here; `other` keeps none."""
+        for name, seconds in other.stage_seconds.items():
+            self.stage_seconds[name] = self.stage_seconds.get(name, 0.0) + seconds
+        self.stage_spans = other.stage_spans + self.stage_spans
+        self._events.extend(other._events)
+        other.stage_seconds, other.stage_spans, other._events = {}, [], []
+
     def worker(self, role: str) -> str:
         return self.workers.get(role, f"pid {os.getpid()}")
 

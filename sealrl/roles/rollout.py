@@ -45,6 +45,10 @@ class Rollout:
         """ROLLOUT_READY(v): switch to the staged version atomically."""
         return self.engine.activate(version)
 
+    def retain(self, versions: int) -> None:
+        """Serve the last `versions` activated versions (asynchronous pipeline, max_staleness + 1)."""
+        self.engine.retain(versions)
+
     def discard_staged(self) -> None:
         self.engine.discard_staged()
 

@@ -130,6 +130,17 @@ class RolloutEngine:
         self._active: _Snapshot | None = None
         self._staged: _Snapshot | None = None   # verified, not yet active
         self._base: tuple[str, dict[str, Tensor]] | None = None   # LoRA: (hash, weights) of the pinned base
+        self._retired: list[_Snapshot] = []     # earlier active versions still served (retain)
+        self._retain = 1
+
+    def retain(self, versions: int) -> None:
+        """Keep serving the last `versions` activated versions (1 = only the active one): an
+        asynchronous pipeline generates with a version up to rollout.max_staleness activations
+        behind the newest. Each retained version holds its own weight copy."""
+        if versions < 1:
+            raise ValueError(f"retain: versions must be >= 1, got {versions}")
+        self._retain = versions
+        self._retired = self._retired[len(self._retired) - (versions - 1):] if versions > 1 else []
 
     @property
     def active_version(self) -> PolicyVersion | None:
@@ -206,6 +217,8 @@ class RolloutEngine:
         version already active is a no-op, so a repeated activation is harmless."""
         snap = self._staged
         if snap is not None and snap.version == version:
+            if self._retain > 1 and self._active is not None:
+                self._retired = (self._retired + [self._active])[-(self._retain - 1):]
             self._active, self._staged = snap, None  # the swap
         elif self.active_version != version:
             held = "nothing" if snap is None else str(snap.version)
@@ -225,6 +238,8 @@ class RolloutEngine:
         """Sample every requested candidate; samples come back in request, then candidate order."""
         started = time.perf_counter()  # finish_s is measured from here
         snap = self._active  # read once: this call uses this version to the end
+        if snap is not None and snap.version != version:   # a retained earlier version (retain)
+            snap = next((r for r in self._retired if r.version == version), snap)
         if snap is None or snap.version != version:
             held = "nothing" if snap is None else str(snap.version)
             raise VersionNotHeldError(f"asked to generate with {version}, this replica holds {held}")

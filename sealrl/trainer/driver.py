@@ -1,6 +1,7 @@
-"""The driver: one synchronous RL iteration after another, as the state machine of DESIGN
-section 1. Setup lives in setup.py, the stages in collect.py (generate, score), prepare.py
-(build, prepare, seal), update.py and record.py; saving/restoring the position in position.py.
+"""The driver: one RL iteration after another, as the state machine of DESIGN section 1. Setup
+lives in setup.py, the stages in collect.py (generate, score), prepare.py (build, prepare,
+seal), update.py and record.py; saving/restoring the position in position.py; the generation
+lane and the staleness bound (rollout.max_staleness; 0 = synchronous) in pipeline.py.
 
     ACTOR_COMMITTED(v) -> EXPORTING(v) -> ROLLOUT_LOADING(v) -> ROLLOUT_READY(v)
       -> GENERATING(v) -> EXPERIENCE_SEALED(v) -> UPDATING_FROM(v) -> ACTOR_COMMITTED(v+1)
@@ -19,17 +20,14 @@ from sealrl.obs.progress import Progress
 from sealrl.sync.adapter import sync_bytes
 from sealrl.sync.manifest import in_dtype
 from sealrl.trainer import drills, setup
-from sealrl.trainer.collect import decode_and_score, generate
-from sealrl.trainer.dynamic import oversample
-from sealrl.trainer.episodes import episode_metrics, with_env_inputs
 from sealrl.trainer.evaluate import evaluate
 from sealrl.trainer.inputs import check_inputs, write_dropped_rows
-from sealrl.trainer.iteration_metrics import rollout_metrics, share_metrics, stage_io_metrics
-from sealrl.trainer.ledger import new_iteration
+from sealrl.trainer.iteration_metrics import share_metrics
+from sealrl.trainer.pipeline import admit, pipeline, staleness_metrics
 from sealrl.trainer.position import forget_after, restore_position, save_position
 from sealrl.trainer.prepare import advantages, build_batch, prepare, seal
 from sealrl.trainer.record import record
-from sealrl.trainer.remax import greedy_baselines, put_baselines
+from sealrl.trainer.remax import put_baselines
 from sealrl.trainer.setup import Run
 from sealrl.trainer.state import Phase, StageFailed, committed_id
 from sealrl.trainer.update import update
@@ -78,30 +76,8 @@ def _train(run: Run) -> dict:
     wall = resumed["train_wall_s"] if resumed else 0.0
     progress = Progress(cfg.run.iterations, start, enabled=cfg.run.progress)
     it = start
-    for it in range(start, cfg.run.iterations):
-        t0 = time.perf_counter()
-        metrics = run_iteration(run, it, version)
-        if run.sm.committed != committed_id(version.id):   # else every step was skipped: nothing new
-            version = publish(run)   # ACTOR_COMMITTED(v+1) -> ... -> ROLLOUT_READY(v+1)
-        metrics["time/weight_sync_s"] = run.timer.stage_seconds.get("weight_sync", 0.0)
-        metrics["sync/bytes"] = float(run.sync_bytes)
-        metrics["time/iteration_s"] = time.perf_counter() - t0
-        metrics.update(share_metrics(metrics))
-        wall += metrics["time/iteration_s"]          # training time: evaluation is not counted
-        metrics["time/train_wall_s"] = wall
-        if cfg.run.eval_every and (it + 1) % cfg.run.eval_every == 0 and it + 1 < cfg.run.iterations:
-            metrics.update(evaluate(roles.rollout, version, data.eval, **eval_kw))
-        logger.log(it, metrics)
-        progress.update(it, metrics)
-        last = it + 1 == cfg.run.iterations or (cfg.run.max_wall_s and wall >= cfg.run.max_wall_s)
-        if last or (cfg.run.checkpoint_every and (it + 1) % cfg.run.checkpoint_every == 0):
-            with run.stage("checkpoint", "driver"):
-                save_position(run.dir, it + 1, cfg, roles, run.sampler, run.kl_ctl, data.hash,
-                              {"accuracy_before": before, "train_wall_s": wall})
-            run.to(Phase.CHECKPOINT_DURABLE, f"step_{it + 1}")
-        run.timer.flush()
-        if last:
-            break
+    with pipeline(run, start, cfg.run.iterations, version) as lanes:
+        it, version, wall = _loop(run, lanes, start, version, before, wall, logger, progress, eval_kw)
     progress.close()
     after = evaluate(roles.rollout, version, data.eval, **eval_kw)
     save_policy(roles.actor.model, roles.tokenizer, run.dir)   # LoRA: merged model/ and adapter/
@@ -114,6 +90,51 @@ def _train(run: Run) -> dict:
     (run.dir / "summary.json").write_text(json.dumps(summary, indent=1))
     logger.close()
     return summary
+
+
+def _loop(run: Run, lanes, start: int, version, before: dict, wall: float, logger, progress, eval_kw):
+    """The iterations start .. run.iterations - 1 (or until run.max_wall_s); returns the last
+    iteration, the active version and the training wall time."""
+    cfg, roles, data = run.cfg, run.roles, run.data
+    it = start
+    for it in range(start, cfg.run.iterations):
+        t0 = time.perf_counter()
+        metrics = run_iteration(run, it, version, lanes)
+        if run.sm.committed != committed_id(version.id):   # else every step was skipped: nothing new
+            version = publish(run)   # ACTOR_COMMITTED(v+1) -> ... -> ROLLOUT_READY(v+1)
+        lanes.publish(it + 1, version)   # the actor version that consumes iteration it + 1
+        metrics["time/weight_sync_s"] = run.timer.stage_seconds.get("weight_sync", 0.0)
+        metrics["sync/bytes"] = float(run.sync_bytes)
+        metrics["time/iteration_s"] = time.perf_counter() - t0
+        metrics.update(share_metrics(metrics))
+        wall += metrics["time/iteration_s"]          # training time: evaluation is not counted
+        metrics["time/train_wall_s"] = wall
+        if cfg.run.eval_every and (it + 1) % cfg.run.eval_every == 0 and it + 1 < cfg.run.iterations:
+            with lanes.exclusive():
+                metrics.update(evaluate(roles.rollout, version, data.eval, **eval_kw))
+        logger.log(it, metrics)
+        progress.update(it, metrics)
+        last = it + 1 == cfg.run.iterations or (cfg.run.max_wall_s and wall >= cfg.run.max_wall_s)
+        if last or (cfg.run.checkpoint_every and (it + 1) % cfg.run.checkpoint_every == 0):
+            with run.stage("checkpoint", "driver"):
+                save_position(run.dir, it + 1, cfg, roles, SamplerAt(lanes.sampler_state(it + 1)), run.kl_ctl,
+                              data.hash, {"accuracy_before": before, "train_wall_s": wall})
+            run.to(Phase.CHECKPOINT_DURABLE, f"step_{it + 1}")
+        run.timer.flush()
+        if last:
+            break
+    return it, version, wall
+
+
+class SamplerAt:
+    """The prompt sampler's position at a checkpoint's iteration (the generation lane may have
+    sampled further): what save_position records."""
+
+    def __init__(self, state: dict) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
 
 
 def publish(run: Run):
@@ -130,45 +151,33 @@ def publish(run: Run):
     return version
 
 
-def run_iteration(run: Run, it: int, version) -> dict:
-    """One iteration from the active version: generate, score, prepare, seal, update, record."""
+def run_iteration(run: Run, it: int, version, lanes) -> dict:
+    """One iteration of the training lane: take in iteration `it`'s scored groups (sampled by
+    the active `version`, or one up to rollout.max_staleness publications before it), admit
+    those within the bound, then prepare, seal, update from the actor's `version`, record."""
     cfg, roles = run.cfg, run.roles
     run.timer.start_iteration(it)
-    prompts = [run.data.train[i] for i in run.sampler.next_batch()]
-    ledger, requests = new_iteration(it, cfg.rollout.n, cfg.rollout.max_retries, cfg.run.name, cfg.run.seed,
-                                     [(p.prompt_id, p.token_ids) for p in prompts])
-    prompt_map = dict(zip(requests, prompts))
-    prompt_of = prompt_map.__getitem__
-    requests = with_env_inputs(requests, prompt_of)   # the rows environments start from (multi-turn)
-    run.to(Phase.GENERATING, version.id)   # every sample comes from the active version v, and only from it
-    roles.rollout.take_served()   # forget who served the evaluation's calls
-    with run.stage("generate", "rollout"):
-        groups = generate(run, ledger, requests, version)
-    served = roles.rollout.take_served()   # a replica pool: which replica served which sample id
-    with run.stage("reward", "reward"):
-        texts, records, kept = decode_and_score(run, ledger, groups, prompt_of)
-    if cfg.algorithm.dynamic_sampling:   # DAPO: filter zero-variance groups, over-sample more rounds
-        kept = oversample(run, it, version, ledger, groups, records, kept, prompt_map, texts, served)
-    if cfg.algorithm.name == "remax":    # ReMax: the reward of a greedy response per prompt is the baseline
-        kept, baselines = greedy_baselines(run, it, version, ledger, kept, prompt_map, served)
-    ledger.commit(list(kept))
-    metrics = {**ledger.counts(), **rollout_metrics(groups, records, run.timer.stage_seconds["generate"]),
-               **stage_io_metrics(run.timer.stage_spans, groups, roles.rollout.take_recoveries()),
-               **episode_metrics([s for ss in groups.values() for s in ss])}
-    if not kept:
-        raise StageFailed(f"iteration {it}: every group was dropped ({ledger.rows()[0]['reason']})")
-    batch = build_batch(run, it, kept, records, prompt_of, texts, version)
-    if cfg.algorithm.name == "remax":
-        put_baselines(batch, baselines)
-    prepare(run, batch, version)
+    sampled_by = lanes.sampled_by(it)
+    run.to(Phase.GENERATING, sampled_by.id)   # k = 0: every sample comes from the active version, only from it
+    p = lanes.get(it)
+    ages = admit(p, lanes.chain, version.id, lanes.bound)
+    metrics = p.metrics
+    if not p.kept:
+        raise StageFailed(f"iteration {it}: every group was dropped ({p.ledger.rows()[0]['reason']})")
+    batch = build_batch(run, it, p.kept, p.records, p.prompt_of, p.texts, p.version)
+    if p.baselines is not None:   # ReMax: the greedy baseline of each group, a sealed fact
+        put_baselines(batch, p.baselines)
+    prepare(run, batch, version)               # old log-probs: the actor's own version (the proximal one)
     metrics.update(advantages(run, batch, it))
-    seal(run, it, batch, ledger, served)       # durable before any update reads it
-    run.to(Phase.EXPERIENCE_SEALED, version.id)
-    run.to(Phase.UPDATING_FROM, version.id)    # critic and actor updates
+    seal(run, it, batch, p.ledger, p.served)   # durable before any update reads it
+    run.to(Phase.EXPERIENCE_SEALED, p.version.id)
+    run.to(Phase.UPDATING_FROM, p.version.id)  # critic and actor updates
     metrics.update(update(run, batch, version, it))
     stepped = roles.actor.step != version.step   # False when every optimizer step was skipped
     committed = f"{cfg.run.name}@{roles.actor.step}.{roles.actor.attempt}" if stepped else committed_id(version.id)
     run.to(Phase.ACTOR_COMMITTED, committed)
-    metrics.update(record(run, it, batch, ledger, version, committed))
+    metrics.update(record(run, it, batch, p.ledger, p.version, committed))
+    if lanes.bound:
+        metrics.update(staleness_metrics(ages, lanes.bound))
     metrics.update({f"time/{k}_s": v for k, v in run.timer.stage_seconds.items()})
     return metrics

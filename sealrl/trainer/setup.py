@@ -355,5 +355,6 @@ def build_run(cfg: Config, run_dir: Path, roles: Roles, data: Data) -> Run:
     contract = SamplingContract(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                 max_new_tokens=r.max_new_tokens, stop_token_ids=(roles.tokenizer.eos_token_id,),
                                 n=r.n, seed=cfg.run.seed)
-    return Run(cfg, run_dir, roles, data, build_sampler(cfg, data), kl_ctl, contract, StateMachine(),
+    return Run(cfg, run_dir, roles, data, build_sampler(cfg, data), kl_ctl, contract,
+               StateMachine(max_staleness=r.max_staleness),
                StageTimer(run_dir / "trace.json", roles.workers()), Watchdog(cfg.run.stage_timeout_s, run_dir))
