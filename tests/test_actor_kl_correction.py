@@ -124,8 +124,11 @@ def test_correction_changes_the_update_only_when_the_policies_differ():
     _, plain = updated("none", 0.5, -1.0)
     _, same = updated("token_is", 0.0, 0.0)     # rollout = old: weights exactly 1
     assert max_diff(same, plain) == 0.0
-    for correction in ("token_is", "seq_is", "token_reject", "seq_reject"):
-        _, corrected = updated(correction, 0.5, -1.0, "algorithm.correction_threshold=0.5")
+    # IS caps at 2: weights exp(-0.5) and 2 differ between candidates (a cap of 0.5 would give
+    # every token 0.5, a uniform scale that AdamW's first step all but cancels); the rejections
+    # at 0.5 keep candidate 0 and reject candidate 1
+    for correction, threshold in (("token_is", 2.0), ("seq_is", 2.0), ("token_reject", 0.5), ("seq_reject", 0.5)):
+        _, corrected = updated(correction, 0.5, -1.0, f"algorithm.correction_threshold={threshold}")
         assert max_diff(corrected, plain) > 1e-6, correction
 
 

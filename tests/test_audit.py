@@ -326,7 +326,7 @@ def test_dropped_group_missing_from_the_ledger(run):
 def test_replayed_sampler_is_the_drivers():
     from types import SimpleNamespace
 
-    from sealrl.audit.checks import replay_sampler
+    from sealrl.audit.ledger import replay_sampler
     cfg = build_config(None, BASE)
     ours, theirs = replay_sampler(cfg, 10), trainer_setup.build_sampler(cfg, SimpleNamespace(train=range(10)))
     assert [ours.next_batch() for _ in range(7)] == [theirs.next_batch() for _ in range(7)]

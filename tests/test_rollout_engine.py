@@ -166,9 +166,11 @@ def test_finished_rows_leave_the_batch(tiny):
     lengths = [len(s.response_ids) for s in samples]
     assert len(set(lengths)) > 2
     assert sizes == [distinct_running_states(samples, k) for k in range(max(lengths) - 1)]
-    for s in samples:
-        assert s.stop_reason is (StopReason.STOP if s.response_ids[-1] in range(4, 26)
-                                 else StopReason.LENGTH)
+    for s in samples:   # a stop token, the tokenizer's own <eos>, or the budget
+        last = s.response_ids[-1]
+        assert s.stop_reason is (StopReason.STOP if last in range(4, 26) else
+                                 StopReason.EOS if last == tokenizer.eos_token_id else StopReason.LENGTH)
+        assert s.stop_reason is not StopReason.LENGTH or len(s.response_ids) == 12
 
 
 def test_candidates_share_states_while_their_tokens_coincide(trained):
