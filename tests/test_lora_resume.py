@@ -2,9 +2,6 @@
 metrics); the checkpoint holds the adapter only and names the base by hash, so a resume on
 another base is refused with the diff."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,7 +12,7 @@ from sealrl.config import EMBEDDED_MODEL, build_config
 from sealrl.models.hf import load_causal_lm, save_causal_lm
 from sealrl.trainer.checkpoint import CheckpointError
 from sealrl.trainer.driver import train
-from sealrl.trainer.iteration_metrics import is_wall_clock
+from tests.helpers_resume import learned_metrics, straight_and_resumed
 
 ARGS = ["run.name=r", "run.iterations=6", "run.progress=false", "run.checkpoint_every=1",
         "run.threads=1", "data.num_train=40", "eval.num=8", "data.prompts_per_iter=4", "rollout.n=4",
@@ -25,30 +22,9 @@ ARGS = ["run.name=r", "run.iterations=6", "run.progress=false", "run.checkpoint_
         "critic.lora.rank=2"]
 
 
-def _metrics(run):
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not is_wall_clock(k)} for r in rows]
-
-
 @pytest.mark.slow
 def test_killed_lora_run_resumes_to_the_same_adapter_bitwise(tmp_path):
-    empty = tmp_path / "empty.yaml"
-    empty.write_text("{}\n")
-    cmd = [sys.executable, "-m", "sealrl.cli", "train", str(empty), *ARGS, f"run.output_dir={tmp_path / 'b'}"]
-    env = dict(os.environ, SEALRL_FAULTS="after_checkpoint@3:kill")
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        train(build_config(None, ARGS + [f"run.output_dir={tmp_path / 'a'}"]))
-        _, stderr = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == -9, stderr[-2000:]
-    b = tmp_path / "b" / "r"
-    assert (b / "checkpoints" / "latest").read_text() == "step_3"
-    train(build_config(None, ARGS + [f"run.output_dir={tmp_path / 'b'}", "run.resume=auto"]))
-    a = tmp_path / "a" / "r"
+    a, b = straight_and_resumed(tmp_path, ARGS)
     step = a / "checkpoints" / "step_6"
     actor = load_file(str(step / "actor_model.safetensors"))
     # the adapter only: q_proj and v_proj of 4 layers, A and B each; the base is named by hash
@@ -63,8 +39,9 @@ def test_killed_lora_run_resumes_to_the_same_adapter_bitwise(tmp_path):
         assert x.keys() == y.keys()
         for k in x:
             assert x[k].equal(y[k]), f"{part}.{k} differs"
-    assert _metrics(a) == _metrics(b)
-    assert {r["sync/bytes"] for r in _metrics(a)} == {4 * 4 * 2 * 4 * (128 + 128)}   # r (in + out) per factor pair
+    assert learned_metrics(a) == learned_metrics(b)
+    # r (in + out) per factor pair
+    assert {r["sync/bytes"] for r in learned_metrics(a)} == {4 * 4 * 2 * 4 * (128 + 128)}
     for run in (a, b):
         report = audit_run(run)
         assert report.ok, report.summary()

@@ -137,6 +137,19 @@ def check_raw(raw: object) -> tuple[float, dict[str, float]] | str:
     return components.pop("total"), components
 
 
+def call_checked(fn: "RewardFunction", sample: "RewardSample", label: str) -> tuple[float, dict[str, float]]:
+    """(total, components) of one scorer of a composite (a component, a routed source). A raise
+    or a bad value is raised again naming `label`; the pool records the sample as an error."""
+    try:
+        raw = fn(sample)
+    except Exception as e:
+        raise RuntimeError(f"{label} raised {type(e).__name__}: {e}") from e
+    checked = check_raw(raw)
+    if isinstance(checked, str):
+        raise ValueError(f"{label} {checked}")
+    return checked
+
+
 def _message(scorer: str, version: str, sample_id: str, detail: str) -> str:
     text = f"scorer {scorer!r} (version {version}) on sample {sample_id!r}: {detail}"
     return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS - 3] + "..."

@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 
 from sealrl.config import REWARD_BUILTINS, ConfigError, RewardConfig, relative_note
-from sealrl.rewards.base import RewardFunction, RewardSample, check_raw
+from sealrl.rewards.base import RewardFunction, RewardSample, call_checked
 
 COMPONENT_KEYS = ("fn", "weight", "name")
 TASK_VERIFIER = {"arith": "arith", "countdown": "countdown", "file": "math",   # what fn=auto means
@@ -148,13 +148,5 @@ class RoutedReward:
 
     def __call__(self, sample: RewardSample) -> dict[str, float]:
         fn = self.routes.get(sample.data_source, self.default)
-        try:
-            raw = fn(sample)
-        except Exception as e:   # name the routed scorer; the pool records the sample as error
-            raise RuntimeError(f"data_source {sample.data_source!r} -> {fn.name} raised "
-                               f"{type(e).__name__}: {e}") from e
-        checked = check_raw(raw)
-        if isinstance(checked, str):
-            raise ValueError(f"data_source {sample.data_source!r} -> {fn.name} {checked}")
-        total, parts = checked
+        total, parts = call_checked(fn, sample, f"data_source {sample.data_source!r} -> {fn.name}")
         return {"total": total, **(parts or {fn.name: total})}

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from sealrl.rewards.base import RawScore, RewardFunction, RewardSample, check_raw
+from sealrl.rewards.base import RawScore, RewardFunction, RewardSample, call_checked
 from sealrl.rewards.countdown import countdown_value
 
 # math-verify warns "Timeout is disabled" once per process: its timeouts are off on purpose (see
@@ -201,15 +201,7 @@ class WeightedReward:
         out: dict[str, float] = {}
         total = 0.0
         for key, (fn, weight) in self.components.items():
-            try:
-                raw = fn(sample)
-            except Exception as e:  # name the component; the pool records the sample as error
-                raise RuntimeError(f"component {key!r} ({fn.name}) raised "
-                                   f"{type(e).__name__}: {e}") from e
-            checked = check_raw(raw)
-            if isinstance(checked, str):
-                raise ValueError(f"component {key!r} ({fn.name}) {checked}")
-            value, parts = checked
+            value, parts = call_checked(fn, sample, f"component {key!r} ({fn.name})")
             out[key] = value
             out.update({f"{key}/{k}": v for k, v in parts.items()})
             total += weight * value
