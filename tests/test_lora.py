@@ -95,7 +95,9 @@ def test_nested_overrides_and_a_target_that_matches_nothing():
         wrap_models(ray, model)
 
 
-def test_reference_is_the_base_with_the_adapter_off_bitwise(tmp_path):
+def _saved_base_and_policy(tmp_path, set_b):
+    """A tiny base saved to tmp_path/base, reloaded with a LoRA adapter whose B factors `set_b`
+    fills (peft starts them at 0, which would make the adapter a no-op)."""
     plain, tok = build_tiny_model(seed=0, **SMALL)
     save_causal_lm(plain, tok, tmp_path / "base")
     policy, _ = load_causal_lm(tmp_path / "base")
@@ -103,7 +105,12 @@ def test_reference_is_the_base_with_the_adapter_off_bitwise(tmp_path):
     with torch.no_grad():
         for name, t in adapter_state(policy).items():
             if name.endswith("lora_B"):
-                t.fill_(0.3)
+                set_b(t)
+    return policy, tok
+
+
+def test_reference_is_the_base_with_the_adapter_off_bitwise(tmp_path):
+    policy, tok = _saved_base_and_policy(tmp_path, lambda t: t.fill_(0.3))
     policy.train()   # the actor's mode is restored after the reference's forward
     actor = _actor(policy, tok)
     ref = Reference(policy, dataclasses.replace(actor.base.version, run_id="reference:base-adapter-off"),
@@ -201,14 +208,7 @@ def test_a_corrupted_adapter_tensor_activates_nothing_anywhere():
 
 def test_exported_adapter_and_merged_folder_reload_to_the_same_log_probs(tmp_path):
     from peft import PeftModel
-    plain, tok = build_tiny_model(seed=0, **SMALL)
-    save_causal_lm(plain, tok, tmp_path / "base")
-    model, _ = load_causal_lm(tmp_path / "base")
-    model = apply_lora(model, LORA, "actor.lora", seed=1)
-    with torch.no_grad():
-        for name, t in adapter_state(model).items():
-            if name.endswith("lora_B"):
-                t.normal_(0, 0.2)
+    model, tok = _saved_base_and_policy(tmp_path, lambda t: t.normal_(0, 0.2))
     model.eval()
     save_policy(model, tok, tmp_path / "run")
     want, _, _ = response_log_probs(model, PROMPTS, RESPONSES)

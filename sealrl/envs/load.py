@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import inspect
 from pathlib import Path
 
 from sealrl.envs.calc import CalcEnv
 from sealrl.envs.guess import GuessEnv
+from sealrl.plugins import import_file
 
 BUILTIN = {"calc": CalcEnv, "guess": GuessEnv}
 
@@ -28,9 +28,7 @@ def env_class(name: str) -> type:
         path = Path(where)
         if not path.is_file():
             raise EnvLoadError(f"env.name={name!r}: no file {path}")
-        spec = importlib.util.spec_from_file_location(f"sealrl_env_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = import_file(path.resolve(), "sealrl_user_env_")
     else:
         try:
             module = importlib.import_module(where)

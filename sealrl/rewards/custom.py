@@ -17,15 +17,13 @@ again (sealrl.rewards.worker calls `setup()`), so the function need not be impor
 """
 from __future__ import annotations
 
-import hashlib
 import importlib
-import importlib.util
 import inspect
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
 from sealrl.config import ConfigError, relative_note
+from sealrl.plugins import file_hash, import_file, is_file_spec
 from sealrl.rewards.base import RawScore, RewardSample
 
 # parameter name -> what it receives from the sample
@@ -40,33 +38,7 @@ PARAMETERS: dict[str, Callable[[RewardSample], Any]] = {
     "sample_id": lambda s: s.sample_id,
 }
 RESPONSE_PARAMETERS = ("response", "solution_str", "response_ids")
-
-
-def is_file_spec(target: str) -> bool:
-    return target.endswith(".py") or "/" in target or "\\" in target
-
-
-def _import_file(path: Path) -> Any:
-    """The module of a .py file, loaded once per process and file content (an edited file loads
-    anew) under a name derived from its path and bytes."""
-    name = "sealrl_user_reward_" + hashlib.sha256(f"{path}:{_file_hash(str(path))}".encode()).hexdigest()[:12]
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
-
-
-def _file_hash(path: str | None) -> str:
-    if not path or not Path(path).is_file():
-        return "unversioned"
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]
+USER_MODULE_PREFIX = "sealrl_user_reward_"
 
 
 def _bind_plan(fn: Callable, where: str, key: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -104,7 +76,7 @@ def load_function(spec: str, key: str) -> tuple[Callable, str | None, str]:
             raise ConfigError(f"{key}={spec!r}: reward file {target} does not exist{relative_note(target)}", key)
         path = path.resolve()
         try:
-            module = _import_file(path)
+            module = import_file(path, USER_MODULE_PREFIX)
         except Exception as e:
             raise ConfigError(f"{key}={spec!r}: loading {path} raised {type(e).__name__}: {e}", key) from None
         source = str(path)
@@ -134,7 +106,7 @@ class CustomReward:
     def __init__(self, spec: str, key: str = "reward.fn") -> None:
         self._fn, self.source, where = load_function(spec, key)
         self.spec, self.name = spec, spec
-        self.version = _file_hash(self.source)
+        self.version = file_hash(self.source)
         self.positional, self.keywords = _bind_plan(self._fn, where, key)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -144,7 +116,8 @@ class CustomReward:
         if self._fn is not None:
             return
         target, _, attr = self.spec.rpartition(":")
-        module = _import_file(Path(self.source)) if is_file_spec(target) else importlib.import_module(target)
+        module = (import_file(Path(self.source), USER_MODULE_PREFIX) if is_file_spec(target)
+                  else importlib.import_module(target))
         self._fn = getattr(module, attr)
 
     def __call__(self, sample: RewardSample) -> RawScore:
