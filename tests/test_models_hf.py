@@ -68,3 +68,16 @@ def test_check_same_tokenizer_names_the_pair():
     check_same_tokenizer("a" * 64, "a" * 64, "actor vs rollout")
     with pytest.raises(TokenizerMismatchError, match="actor vs rollout"):
         check_same_tokenizer("a" * 64, "b" * 64, "actor vs rollout")
+
+
+def test_load_and_save_print_no_progress_bars_and_restore_the_setting(saved, tmp_path, capsys):
+    """A run loads and saves folders at every checkpoint: transformers' "Loading weights" /
+    "Writing model shards" bars would flood the log. They are off inside, restored after."""
+    from transformers.utils import logging as hf_logging
+    model, tokenizer, folder = saved
+    hf_logging.enable_progress_bar()
+    load_causal_lm(folder)
+    save_causal_lm(model, tokenizer, tmp_path / "again")
+    out = capsys.readouterr()
+    assert "Loading weights" not in out.err + out.out and "Writing model shards" not in out.err + out.out
+    assert hf_logging.is_progress_bar_enabled()

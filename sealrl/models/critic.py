@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import AutoModel, PretrainedConfig, PreTrainedModel
 
+from sealrl.models.hf import quiet
 from sealrl.models.logprobs import pad_batch, response_window
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -36,6 +37,7 @@ class CriticModel(nn.Module):
         self.value_head.to(device=next(backbone.parameters()).device, dtype=torch.float32)
 
     @classmethod
+    @quiet
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu", trust_remote_code: bool = False,
                         ) -> "CriticModel":
@@ -60,6 +62,7 @@ class CriticModel(nn.Module):
         """A critic whose backbone starts as a copy of a causal LM's base model."""
         return cls(copy.deepcopy(model.base_model))
 
+    @quiet
     def save(self, path: str | Path) -> Path:
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)

@@ -11,12 +11,14 @@ sealrl all load the same folder.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers.utils import logging as hf_logging
 
 from sealrl.config import MissingInputError, UserError
 
@@ -29,10 +31,26 @@ _RUNTIME_CONFIG_KEYS = frozenset({
 })
 
 
+def quiet(fn):
+    """Run `fn` without transformers' progress bars ("Loading weights", "Writing model shards"):
+    a run loads and saves folders at every checkpoint, and sealrl reports its own progress."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        was = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was:
+                hf_logging.enable_progress_bar()
+    return wrapper
+
+
 class TokenizerMismatchError(UserError, ValueError):
     """Two roles would read the same token ids as different text."""
 
 
+@quiet
 def load_causal_lm(path: str | Path, trust_remote_code: bool = False,
                    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """(model in eval mode, tokenizer) from a local HF folder; safetensors weights only."""
@@ -59,6 +77,7 @@ def padding_id(tokenizer, folder: str | Path) -> int:
                     f"eos token to end responses (set eos_token in tokenizer_config.json)")
 
 
+@quiet
 def save_causal_lm(model: PreTrainedModel, tokenizer, path: str | Path) -> Path:
     """Write model (safetensors) + tokenizer in the `save_pretrained` layout; returns the folder.
 

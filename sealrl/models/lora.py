@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from sealrl.config import ConfigError
-from sealrl.models.hf import save_causal_lm
+from sealrl.models.hf import quiet, save_causal_lm
 
 ADAPTER = "default"          # peft's name of the one adapter
 _PREFIX = "base_model.model."
@@ -140,12 +140,14 @@ def checkpoint_exports(model: nn.Module, tokenizer) -> dict:
     if not has_lora(model):
         return {"model": lambda path: save_causal_lm(model, tokenizer, path)}
 
+    @quiet
     def adapter(path):
         model.save_pretrained(path)
         tokenizer.save_pretrained(path)
     return {"adapter": adapter}
 
 
+@quiet
 def save_policy(model: nn.Module, tokenizer, run_dir: Path) -> None:
     """The final policy: `model/` a Hugging Face folder (merged when LoRA is on) and, with
     LoRA, `adapter/` a peft adapter folder that loads on the base with PeftModel.from_pretrained."""
