@@ -15,7 +15,7 @@ from typing import Any
 
 EMBEDDED_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "arith-tiny")
 TASK_NAMES = ("arith", "countdown", "mul3", "guess", "file")   # mul3: the tool task; guess: the guessing game
-DEVICES = ("auto", "cpu", "cuda")   # a role's device key; auto: cuda when torch sees one, else cpu (models/precision.py)
+DEVICES = ("auto", "cpu", "cuda")   # a role's device; auto: cuda when torch sees one, else cpu (models/precision.py)
 
 
 class UserError(Exception):
@@ -271,7 +271,7 @@ class CriticConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)  # critic.lora.rank > 0: adapter + value head trained
     gradient_checkpointing: bool = False   # recompute backbone activations in the backward
     dtype: str = "fp32"                    # fp32 | bf16 (autocast compute; fp32 master weights and AdamW state)
-    device: str = "auto"                   # auto | cpu | cuda: the critic's model and passes (auto: cuda when available)
+    device: str = "auto"                   # auto | cpu | cuda: the critic's model and passes (auto: cuda if available)
 
     def __post_init__(self):
         _check(self.lr > 0, "critic.lr", "> 0", self.lr)

@@ -204,8 +204,8 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
     if cfg.placement.actor_ranks > 1:
         actor = data_parallel_role(cfg, "actor", make_actor, actor, closers, shared)
     episodes = episode_spec(cfg)
-    rollout = Rollout(template, tokenizer, cfg.rollout.device, episodes=episodes) if cfg.placement.backend == "local" else \
-        ray_rollout_pool(cfg, model, tokenizer, closers, shared, episodes)
+    rollout = Rollout(template, tokenizer, cfg.rollout.device, episodes=episodes) \
+        if cfg.placement.backend == "local" else ray_rollout_pool(cfg, model, tokenizer, closers, shared, episodes)
     if episodes is not None and cfg.placement.backend == "local":   # the local role's tool worker
         closers.append(rollout.episodes.close)
     if base is not None:   # LoRA (local placement only): every version is an adapter on this base
