@@ -152,3 +152,17 @@ def test_cuda_rollout_holds_the_verified_bf16_bytes_on_the_device():
     embed = rollout.engine._active.backend.lm.embed   # what the device samples with
     assert embed.device.type == "cuda" and embed.dtype == torch.bfloat16
     assert tensor_sha256(embed) == manifest16.entries["model.embed_tokens.weight"].sha256
+
+
+def test_ray_placements_without_gpu_bundles_refuse_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    ray = ["placement.backend=ray"]
+    with pytest.raises(ConfigError, match="bundles ask for CPUs only") as err:
+        precision.role_devices(build_config(None, [*ray, "rollout.device=cuda"]))
+    assert err.value.key == "rollout.device"
+    colocated = [*ray, "placement.rollout_pool=colocated", "placement.actor_ranks=2", "placement.rollout_replicas=2"]
+    with pytest.raises(ConfigError, match="bundles ask for CPUs only") as err:
+        precision.role_devices(build_config(None, colocated))   # auto: the actor on cuda here
+    assert err.value.key == "placement.rollout_pool"
+    assert precision.role_devices(build_config(None, [*colocated, "actor.device=cpu"]))["actor"].type == "cpu"
+    assert precision.role_devices(build_config(None, ray))["rollout"].type == "cuda"   # auto: resolved per process

@@ -73,4 +73,13 @@ def role_devices(cfg) -> dict[str, torch.device]:
         raise ConfigError(f"reference.device={cfg.reference.device} resolves to {out['reference']}, but with "
                           f"actor.lora the reference is the actor's own model on actor.device={cfg.actor.device} "
                           f"({out['actor']})", "reference.device")
+    p = cfg.placement
+    if p.backend == "ray" and cfg.rollout.device == "cuda":   # auto resolves to cpu inside such a replica
+        raise ConfigError("rollout.device=cuda with placement.backend=ray: the rollout replicas' Ray bundles ask "
+                          "for CPUs only (not built yet); use rollout.device=auto or cpu, or placement.backend=local",
+                          "rollout.device")
+    if p.backend == "ray" and p.rollout_pool == "colocated" and p.actor_ranks > 1 and out["actor"].type == "cuda":
+        raise ConfigError("placement.rollout_pool=colocated with actor ranks on cuda: the shared bundles ask for "
+                          "CPUs only (not built yet); use placement.rollout_pool=standalone or actor.device=cpu",
+                          "placement.rollout_pool")
     return out
