@@ -1,15 +1,20 @@
 """GPU checks of issue 14, in one prepared run (no GPU was lent when they were written; run
 this where one is): the GPU-marked tests, then on CUDA in fp32 and bf16 the chunked and packed
-log-probs against the full-logits padded path, and the peak CUDA memory of both at the mid
-shape's LM head. Prints one JSON line; exits non-zero when a check fails.
+log-probs against the full-logits padded path, the peak CUDA memory of both at the mid
+shape's LM head, and short trainings with every role on cuda (GRPO with a reference in fp32,
+twice: the same weights hash, and in bf16; PPO in fp32: the critic), each audited from its
+records. Prints one JSON line; exits non-zero when a check fails.
 
-    .venv/bin/python benchmarks/gpu_check.py            (about a minute on one GPU)
+    .venv/bin/python benchmarks/gpu_check.py            (a few minutes on one GPU)
 """
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 import torch
 
@@ -57,6 +62,47 @@ def model_parity() -> dict:
     return out
 
 
+TRAIN = ["run.iterations=3", "run.progress=false", "run.loggers=", "run.checkpoint_every=0", "data.num_train=64",
+         "eval.num=16", "data.prompts_per_iter=8", "rollout.n=4", "rollout.max_new_tokens=8", "run.seed=1",
+         "algorithm.kl_coef=0.05", "actor.device=cuda", "critic.device=cuda", "reference.device=cuda",
+         "rollout.device=cuda"]
+
+
+def train_on_cuda(name: str, *extra: str) -> dict:
+    """A short run of the embedded model with every role on cuda: its final weights hash, the
+    first and last iteration's reward and loss, its wall time and whether its audit passes."""
+    from sealrl.audit import audit_run
+    from sealrl.config import build_config
+    from sealrl.trainer.driver import train
+    out = Path(tempfile.mkdtemp(prefix=f"gpu_check_{name}_"))
+    started = time.perf_counter()
+    summary = train(build_config(None, [*TRAIN, *extra, f"run.output_dir={out}", "run.name=r"]))
+    rows = [json.loads(x) for x in (out / "r" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "actor/pg_loss" in r]
+    report = audit_run(out / "r")
+    return {"weights_hash": summary["weights_hash"][:16], "iterations": summary["iterations"],
+            "wall_s": round(time.perf_counter() - started, 1),
+            "reward_first": rows[0]["reward/mean"], "reward_last": rows[-1]["reward/mean"],
+            "pg_loss_last": rows[-1]["actor/pg_loss"], "audit_ok": report.ok,
+            "audit_violations": [str(v) for v in report.violations[:3]]}
+
+
+def trainings() -> tuple[dict, bool]:
+    """The four runs (a crash is reported as that run's error, the others still run) and
+    whether all completed, audited clean, and the fp32 run repeated to the same weights."""
+    runs = {}
+    bf16 = ("actor.dtype=bf16", "rollout.dtype=bf16")
+    for name, extra in (("grpo_fp32", ()), ("grpo_fp32_again", ()), ("grpo_bf16", bf16),
+                        ("ppo_fp32", ("algorithm.name=ppo",))):
+        try:
+            runs[name] = train_on_cuda(name, *extra)
+        except Exception as e:  # noqa: BLE001 - the report names it; the other runs still tell
+            runs[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+    ok = all(r.get("audit_ok") and r["iterations"] == 3 for r in runs.values())
+    runs["fp32_repeatable"] = ok and runs["grpo_fp32"]["weights_hash"] == runs["grpo_fp32_again"]["weights_hash"]
+    return runs, ok and runs["fp32_repeatable"]
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device visible"}))
@@ -67,9 +113,11 @@ def main() -> int:
               "gpu_tests_tail": tests.stdout.strip().splitlines()[-1:],
               "head_fp32": head_memory(torch.float32, 1024), "head_bf16": head_memory(torch.bfloat16, 1024),
               "parity": model_parity()}
+    report["train"], trained = trainings()
     ok = (tests.returncode == 0 and report["parity"]["fp32"]["packed_gap"] <= 1e-4
           and report["parity"]["fp32"]["chunked_gap"] <= 1e-4
-          and report["head_fp32"]["chunked"]["peak_mib"] < report["head_fp32"]["full"]["peak_mib"])
+          and report["head_fp32"]["chunked"]["peak_mib"] < report["head_fp32"]["full"]["peak_mib"]
+          and trained)
     report["ok"] = ok
     print(json.dumps(report))
     return 0 if ok else 1

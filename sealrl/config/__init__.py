@@ -22,6 +22,7 @@ from sealrl.config.sections import (
                                     MissingInputError,
                                     ModelConfig,
                                     PlacementConfig,
+                                    ReferenceConfig,
                                     RewardConfig,
                                     RolloutConfig,
                                     RunConfig,
@@ -32,6 +33,6 @@ from sealrl.config.sections import (
 
 __all__ = ["EMBEDDED_MODEL", "LOGGERS", "REWARD_BUILTINS", "ActorConfig", "AlgorithmConfig", "Config", "ConfigError",
            "CriticConfig", "DataConfig", "EnvConfig", "EvalConfig", "LoraConfig", "MissingInputError", "ModelConfig",
-           "PlacementConfig", "RewardConfig", "RolloutConfig", "RunConfig", "UserError", "build_config",
-           "check_config", "config_diff", "load_config", "relative_note", "replace", "resumable",
+           "PlacementConfig", "ReferenceConfig", "RewardConfig", "RolloutConfig", "RunConfig", "UserError",
+           "build_config", "check_config", "config_diff", "load_config", "relative_note", "replace", "resumable",
            "resumable_keys"]

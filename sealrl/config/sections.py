@@ -15,6 +15,7 @@ from typing import Any
 
 EMBEDDED_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "arith-tiny")
 TASK_NAMES = ("arith", "countdown", "mul3", "guess", "file")   # mul3: the tool task; guess: the guessing game
+DEVICES = ("auto", "cpu", "cuda")   # a role's device; auto: cuda when torch sees one, else cpu (models/precision.py)
 
 
 class UserError(Exception):
@@ -128,6 +129,7 @@ class RolloutConfig:
     max_retries: int = 1                   # regenerations of a failed sample before its group is dropped
     dtype: str = "fp32"                    # fp32 | bf16: the weights the actor exports to the rollout (checksummed)
     max_staleness: int = 0                 # publications generation may lag the actor (0 = synchronous)
+    device: str = "auto"                   # auto | cpu | cuda: where the rollout samples (auto: cuda when available)
 
     def __post_init__(self):
         _check(self.n >= 1, "rollout.n", ">= 1", self.n)
@@ -136,6 +138,7 @@ class RolloutConfig:
         _check(self.top_k >= 0, "rollout.top_k", ">= 0", self.top_k)
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", self.max_new_tokens)
         _check(self.dtype in ("fp32", "bf16"), "rollout.dtype", "fp32 | bf16", self.dtype)
+        _check(self.device in DEVICES, "rollout.device", " | ".join(DEVICES), self.device)
         _check(self.max_staleness >= 0, "rollout.max_staleness", ">= 0 (0 = synchronous)", self.max_staleness)
 
 
@@ -229,12 +232,14 @@ class ActorConfig:
     logit_chunk_tokens: int = 0            # LM head + log-softmax this many tokens at a time (0 = all at once)
     gradient_checkpointing: bool = False   # recompute layer activations in the backward (less memory)
     dtype: str = "fp32"                    # fp32 | bf16: autocast compute, fp32 master weights + AdamW; bf16 reference
+    device: str = "auto"                   # auto | cpu | cuda: the actor's model and passes (auto: cuda when available)
 
     def __post_init__(self):
         _check(self.lr > 0, "actor.lr", "> 0", self.lr)
         for key in ("max_tokens_per_micro_batch", "logit_chunk_tokens"):
             _check(getattr(self, key) >= 0, f"actor.{key}", ">= 0 (0 = off)", getattr(self, key))
         _check(self.dtype in ("fp32", "bf16"), "actor.dtype", "fp32 | bf16", self.dtype)
+        _check(self.device in DEVICES, "actor.device", " | ".join(DEVICES), self.device)
         _check(self.lr_schedule in ("constant", "cosine", "linear"), "actor.lr_schedule",
                "constant | cosine | linear", self.lr_schedule)
         _check(self.ppo_epochs >= 1, "actor.ppo_epochs", ">= 1", self.ppo_epochs)
@@ -266,10 +271,20 @@ class CriticConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)  # critic.lora.rank > 0: adapter + value head trained
     gradient_checkpointing: bool = False   # recompute backbone activations in the backward
     dtype: str = "fp32"                    # fp32 | bf16 (autocast compute; fp32 master weights and AdamW state)
+    device: str = "auto"                   # auto | cpu | cuda: the critic's model and passes (auto: cuda if available)
 
     def __post_init__(self):
         _check(self.lr > 0, "critic.lr", "> 0", self.lr)
         _check(self.dtype in ("fp32", "bf16"), "critic.dtype", "fp32 | bf16", self.dtype)
+        _check(self.device in DEVICES, "critic.device", " | ".join(DEVICES), self.device)
+
+
+@dataclass(kw_only=True, slots=True)
+class ReferenceConfig:   # the frozen KL anchor (algorithm.kl_coef > 0); its weights' dtype is actor.dtype
+    device: str = "auto"                   # auto | cpu | cuda (auto: cuda when available); with LoRA the actor's
+
+    def __post_init__(self):
+        _check(self.device in DEVICES, "reference.device", " | ".join(DEVICES), self.device)
 
 
 REWARD_BUILTINS = ("auto", "arith", "countdown", "math", "format", "code_exec", "reward_model", "tool_answer", "guess")
@@ -354,6 +369,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)

@@ -31,7 +31,8 @@ back into shards) is a collective; only rank 0 ships what it gathered. FSDP2 als
 every forward, so the forward-only calls (old log-probs, values) run as many micro-batches on
 every rank (`roles.distributed.idle_passes`). Rollback snapshots stay inside each rank (sharded).
 
-Process group: gloo (the roles train on CPU today); nccl when the role's model is on CUDA.
+Process group: `precision.process_group_backend` of the role's device: nccl when the role's
+model is on CUDA (`actor.device` / `critic.device`), gloo on CPU.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ import torch
 
 from sealrl.experience import ExperienceBatch, PolicyVersion, Role
 from sealrl.models.logprobs import response_log_probs
+from sealrl.models.precision import model_device, process_group_backend
 from sealrl.placement.workers import WorkerGroup
 from sealrl.roles.common import batch_log_probs
 from sealrl.roles.distributed import (
@@ -370,7 +372,8 @@ def ray_train_group(role: str, rank_factory: Callable[[], TrainRank], num_worker
     each), or rank k on bundle k of a shared `pool` (colocated with the rollout replicas; its
     creator closes it)."""
     from sealrl.placement.workers import PoolSpec, RayPool, RayWorkerGroup
-    cuda = next(model.parameters()).is_cuda
+    backend = process_group_backend(model_device(model))
+    cuda = backend == "nccl"
     own = pool is None
     if own:
         pool = RayPool(PoolSpec(name=role, roles=(role,), num_workers=num_workers, num_cpus_per_worker=1.0,
@@ -381,7 +384,7 @@ def ray_train_group(role: str, rank_factory: Callable[[], TrainRank], num_worker
     group = None
     try:  # a rank that fails to start or join: nothing of this group is left behind
         group = RayWorkerGroup(role, rank_factory, pool, timeout_s=timeout_s, threads=1)
-        group.init_process_group("nccl" if cuda else "gloo", timeout_s=timeout_s)
+        group.init_process_group(backend, timeout_s=timeout_s)
         ranks = group.call("setup", timeout_s=timeout_s)
         if ranks != list(range(num_workers)):
             raise RuntimeError(f"{role}: ranks {ranks} do not match worker indices")

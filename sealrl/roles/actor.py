@@ -26,7 +26,8 @@ class Actor:
     def __init__(self, model, cfg: ActorConfig, algo: AlgorithmConfig, run_id: str,
                  tokenizer_hash: str, temperature: float, pad_id: int, total_steps: int,
                  horizon: int):
-        self.model, self.cfg, self.algo = model, cfg, algo
+        self.device = precision.resolve_device(cfg.device, "actor.device")
+        self.model, self.cfg, self.algo = model.to(self.device), cfg, algo   # in place: moved, not copied
         self.run_id, self.tokenizer_hash = run_id, tokenizer_hash
         self.temperature, self.pad_id, self.total_steps, self.horizon = temperature, pad_id, total_steps, horizon
         self.config_hash = model_config_hash(model.config)
@@ -95,14 +96,15 @@ class Actor:
                 and (cfg.max_tokens_per_micro_batch > 0 or cfg.micro_batch_size >= b) and not self._has_dropout)
 
     def _forward(self, batch: ExperienceBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Teacher-forced log-probs and entropy of `rows`, (len(rows), R), gradients flowing."""
+        """Teacher-forced log-probs and entropy of `rows`, (len(rows), R), gradients flowing, on
+        the CPU (the loss is on (B, R) tensors beside the batch's; a no-op on a CPU actor)."""
         samples = [batch.samples[i] for i in rows.tolist()]
         with precision.compute(self.cfg.dtype, precision.model_device(self.model)):
             lp, ent, _ = self.tf.log_probs(self.model, [list(s.prompt_ids) for s in samples],
                                            [list(s.response_ids) for s in samples], self.temperature, self.pad_id,
                                            with_entropy=True)
         width = batch.num_response_tokens
-        return pad_width(lp, width), pad_width(ent, width)
+        return pad_width(lp, width).cpu(), pad_width(ent, width).cpu()
 
     def _micro_batches(self, batch: ExperienceBatch, rows: torch.Tensor) -> list[torch.Tensor]:
         """`rows` split into micro-batches: by count (consecutive), or by the token budget."""

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 class Critic:
     def __init__(self, model: CriticModel, cfg: CriticConfig, pad_id: int, micro_batch_size: int,
                  loss_agg: str, horizon: int, tf: TeacherForcing | None = None):
-        self.model, self.cfg, self.pad_id = model, cfg, pad_id
+        self.device = precision.resolve_device(cfg.device, "critic.device")
+        self.model, self.cfg, self.pad_id = model.to(self.device), cfg, pad_id   # in place: moved, not copied
         self.micro, self.loss_agg, self.horizon = micro_batch_size, loss_agg, horizon
         self.tf = tf or TeacherForcing(micro_batch_size=micro_batch_size)  # micro-batches, packing
         common.set_gradient_checkpointing(model.backbone, cfg.gradient_checkpointing)
@@ -43,9 +44,11 @@ class Critic:
         return f"critic@{self.step}"
 
     def _values(self, samples):
+        """(values (B, R), last values (B,), mask) on the CPU, beside the batch's tensors."""
         with precision.compute(self.cfg.dtype, precision.model_device(self.model)):
-            return self.tf.values(self.model, [list(s.prompt_ids) for s in samples],
-                                  [list(s.response_ids) for s in samples], self.pad_id)
+            v, last, mask = self.tf.values(self.model, [list(s.prompt_ids) for s in samples],
+                                           [list(s.response_ids) for s in samples], self.pad_id)
+        return v.cpu(), last.cpu(), mask.cpu()
 
     def _micro_batches(self, rows: list[int], samples) -> list[list[int]]:
         return common.micro_batches(self.tf, rows, samples)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from sealrl.experience import PolicyVersion, SamplingContract
+from sealrl.models.precision import resolve_device
 from sealrl.rollout.engine import GenerationRequest, RolloutEngine, RolloutSample
 from sealrl.rollout.episodes import EpisodeRunner, EpisodeSpec
 from sealrl.sync.manifest import WeightManifest
@@ -16,8 +17,11 @@ from sealrl.sync.manifest import WeightManifest
 
 class Rollout:
     def __init__(self, model, tokenizer, device: str = "cpu", episodes: EpisodeSpec | None = None):
-        """`episodes`: multi-turn rollouts against that environment (rollout/episodes.py)."""
-        self.engine = RolloutEngine(model, tokenizer, device=device)
+        """`device`: auto | cpu | cuda, where the engine's weights live and it samples (resolved
+        here, in the process hosting the role); the weights are verified on their CPU copy in
+        the rollout's dtype, which the device then receives bit for bit. `episodes`: multi-turn
+        rollouts against that environment (rollout/episodes.py)."""
+        self.engine = RolloutEngine(model, tokenizer, device=resolve_device(device, "rollout.device"))
         self.episodes = None if episodes is None else EpisodeRunner(episodes, tokenizer)
 
     @property

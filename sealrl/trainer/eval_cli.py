@@ -36,7 +36,7 @@ def evaluate_path(path: Path, cfg: Config, num: int | None, pass_k: int) -> dict
         model.load_state_dict(weights, strict=True)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     manifest = build_manifest(state, "eval", 0, 0, tokenizer_hash(tokenizer), model_config_hash(model.config))
-    rollout = Rollout(model, tokenizer)
+    rollout = Rollout(model, tokenizer, cfg.rollout.device)
     rollout.load(state, manifest)
     data = setup.build_data(cfg, tokenizer)
     return evaluate(rollout, manifest.version, data.eval, setup.build_reward_fn(cfg), tokenizer,

@@ -20,6 +20,7 @@ from typing import Iterable
 
 from sealrl.config import Config, ConfigError, check_config, relative_note
 from sealrl.data.dataset import DataFileError, PromptSet, has_rows
+from sealrl.models.precision import role_devices
 from sealrl.rewards.from_config import build_reward
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -62,6 +63,7 @@ def check_inputs(cfg: Config) -> None:
     """Every input that can be checked cheaply, before a run folder, lock or model exists.
     Raises ConfigError naming the config key and the problem."""
     check_config(cfg)
+    role_devices(cfg)   # cuda asked for where torch sees none: named by its key
     out = Path(cfg.run.output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"run.output_dir: {out} exists and is not a folder", "run.output_dir")

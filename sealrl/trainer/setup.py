@@ -96,6 +96,7 @@ def installed_packages() -> dict[str, str]:
 
 
 def make_deterministic(cfg: Config) -> None:
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # deterministic cuBLAS (no effect on CPU)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     torch.manual_seed(cfg.run.seed)
@@ -203,8 +204,8 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
     if cfg.placement.actor_ranks > 1:
         actor = data_parallel_role(cfg, "actor", make_actor, actor, closers, shared)
     episodes = episode_spec(cfg)
-    rollout = Rollout(template, tokenizer, episodes=episodes) if cfg.placement.backend == "local" else \
-        ray_rollout_pool(cfg, model, tokenizer, closers, shared, episodes)
+    rollout = Rollout(template, tokenizer, cfg.rollout.device, episodes=episodes) \
+        if cfg.placement.backend == "local" else ray_rollout_pool(cfg, model, tokenizer, closers, shared, episodes)
     if episodes is not None and cfg.placement.backend == "local":   # the local role's tool worker
         closers.append(rollout.episodes.close)
     if base is not None:   # LoRA (local placement only): every version is an adapter on this base
@@ -217,7 +218,7 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         ref_version = build_manifest(state, "reference", 0, 0, tok_hash, model_config_hash(model.config)).version
         reference = Reference(model, ref_version, temperature, pad, cfg.actor.micro_batch_size,
-                              tf=teacher_forcing(cfg.actor), dtype=cfg.actor.dtype)
+                              tf=teacher_forcing(cfg.actor), dtype=cfg.actor.dtype, device=cfg.reference.device)
     critic = None
     if cfg.algorithm.name == "ppo":
         from sealrl.models.critic import CriticModel
@@ -299,6 +300,7 @@ def ray_rollout_pool(cfg: Config, model, tokenizer, closers: list, shared=None, 
     from sealrl.placement import train_group
     from sealrl.placement.rollout_pool import RolloutPool
     from sealrl.placement.workers import RayPool, RayWorkerGroup
+    from sealrl.rollout.backends import weightless_template
     p = cfg.placement
     train_group.start_ray(p, closers)
     spec = rollout_pool_spec(p)
@@ -307,7 +309,9 @@ def ray_rollout_pool(cfg: Config, model, tokenizer, closers: list, shared=None, 
         pool = RayPool(spec, timeout_s=p.timeout_s)
         closers.append(pool.close)
     threads = max(1, int(p.cpus_per_replica / len(spec.roles)))
-    group = RayWorkerGroup("rollout", functools.partial(Rollout, model, tokenizer, episodes=episodes), pool,
+    # the structure only (weights arrive by sync): nothing of the actor's device is pickled
+    make = functools.partial(Rollout, weightless_template(model), tokenizer, cfg.rollout.device, episodes=episodes)
+    group = RayWorkerGroup("rollout", make, pool,
                            timeout_s=p.timeout_s, threads=threads)
     rollout = RolloutPool(group, timeout_s=p.timeout_s)
     closers.append(rollout.close)
