@@ -13,13 +13,14 @@ import pytest
 
 from sealrl import faults
 from sealrl.audit import audit_run
+from sealrl.cli import main
 from sealrl.experience.batch import ExperienceBatch
 from sealrl.experience.store import read_iteration
 from sealrl.trainer import driver as driver_module
 from sealrl.trainer import pipeline as pipeline_module
 from sealrl.trainer.replay import ReplayMismatch, ScheduleError, recorded_schedule, replay
 from tests.test_audit import _iter, _rewrite
-from tests.test_pipeline import _train
+from tests.test_pipeline import _numbers, _train
 
 ITERATIONS = 5   # checkpoints at 2 and 4 (run.checkpoint_every=2); the crashes hit iteration 3
 
@@ -114,6 +115,7 @@ def test_killed_at_each_stage_resumes_to_the_uninterrupted_weights(whole, tmp_pa
     assert _ledger(run) == _ledger(whole_run)                      # same prompts per iteration, once each
     assert _sealed(run) == _sealed(whole_run)
     assert _consumed(run) == _consumed(whole_run)                  # same schedule: who sampled, who consumed
+    assert _numbers(run) == _numbers(whole_run)                    # metrics (staleness too), timings aside
     if before is not None:   # sealed before the crash: the resumed run did not write it again
         after = sealed3.stat()
         assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
@@ -183,3 +185,4 @@ def test_replay_refuses_a_schedule_it_cannot_follow(whole, tmp_path, monkeypatch
     with pytest.raises(ScheduleError, match=f"iteration {iteration}: .*{why}"):
         replay(run, tmp_path / "replay")
     assert not (tmp_path / "replay").exists()   # refused before training anything
+    assert main(["replay", str(run), "--out", str(tmp_path / "replay")]) == 2   # `sealrl: error: ...`
