@@ -33,11 +33,15 @@ def _extra(k: int) -> tuple[str, ...]:
             "algorithm.name=reinforce_pp")
 
 
+# variant -> (k, its overrides); with LoRA the retained versions are adapters on the pinned base
+VARIANTS = {"k1": (1, _extra(1)), "k2": (2, _extra(2)), "k1_lora": (1, _extra(1) + ("actor.lora.rank=4",))}
+
+
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory):
-    """The runs never interrupted, by k."""
+    """The runs never interrupted, by variant."""
     out = tmp_path_factory.mktemp("whole")
-    return {k: _train(out / f"k{k}", "exact", *_extra(k)) for k in (1, 2)}
+    return {v: _train(out / v, "exact", *extra) for v, (_, extra) in VARIANTS.items()}
 
 
 def _on_call(n: int, real, after: bool = False):
@@ -88,13 +92,15 @@ def _consumed(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "experience" / "consumed.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("k, stage", [(1, s) for s in STAGES] + [(2, "update"), (2, "generate")])
-def test_killed_at_each_stage_resumes_to_the_uninterrupted_weights(whole, tmp_path, monkeypatch, k, stage):
+@pytest.mark.parametrize("variant, stage", [("k1", s) for s in STAGES] + [("k2", "update"), ("k2", "generate"),
+                                                                           ("k1_lora", "update")])
+def test_killed_at_each_stage_resumes_to_the_uninterrupted_weights(whole, tmp_path, monkeypatch, variant, stage):
+    k, extra = VARIANTS[variant]
     module, name, wrap = STAGES[stage]
     real = getattr(module, name)
     monkeypatch.setattr(module, name, wrap(real))
     with pytest.raises(RuntimeError, match="injected crash"):
-        _train(tmp_path, "exact", *_extra(k))
+        _train(tmp_path, "exact", *extra)
     monkeypatch.setattr(module, name, real)
     run = tmp_path / "exact"
     assert (run / "checkpoints" / "latest").read_text() == "step_2"
@@ -105,8 +111,8 @@ def test_killed_at_each_stage_resumes_to_the_uninterrupted_weights(whole, tmp_pa
     before = sealed3.stat() if sealed3.exists() else None
     assert (before is not None) == (stage in ("seal", "update", "publish", "checkpoint"))
 
-    summary, run = _train(tmp_path, "exact", *_extra(k), "run.resume=auto")
-    want, whole_run = whole[k]
+    summary, run = _train(tmp_path, "exact", *extra, "run.resume=auto")
+    want, whole_run = whole[variant]
     assert summary["completed"] and summary["optimizer_steps"] == ITERATIONS
     assert summary["weights_hash"] == want["weights_hash"]          # bitwise the run never interrupted
     report = audit_run(run)
@@ -123,7 +129,8 @@ def test_killed_at_each_stage_resumes_to_the_uninterrupted_weights(whole, tmp_pa
 
 def test_uninterrupted_runs_follow_the_fixed_lag(whole):
     """What the resumed runs are compared with: iteration i sampled by the version of step max(0, i - k)."""
-    for k, (_, run) in whole.items():
+    for variant, (_, run) in whole.items():
+        k = VARIANTS[variant][0]
         steps = [int(c["sampled_by"].split("@")[1].split(".")[0]) for c in _consumed(run)]
         assert steps == [max(0, i - k) for i in range(ITERATIONS)]
         norms = [json.loads(x)["actor/grad_norm"] for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -134,7 +141,7 @@ def test_uninterrupted_runs_follow_the_fixed_lag(whole):
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_replay_of_an_async_run_reproduces_its_weights_bitwise(whole, tmp_path, k):
-    want, run = whole[k]
+    want, run = whole[f"k{k}"]
     result = replay(run, tmp_path / "replay")
     assert result["lag"] == [min(i, k) for i in range(ITERATIONS)]   # read from the sealed records
     assert result["weights_hash"] == want["weights_hash"] and result["bitwise"]
@@ -168,7 +175,7 @@ def test_replay_reports_a_record_whose_schedule_was_edited(whole, tmp_path, monk
     """Iteration 3 of the k = 1 run re-stamped as sampled by the version consuming it (step 3,
     the one that sampled iteration 4): a schedule the pipeline can follow (lag 0), but not the
     one that produced the record's tokens; replay says where."""
-    run = Path(shutil.copytree(whole[1][1], tmp_path / "edited"))
+    run = Path(shutil.copytree(whole["k1"][1], tmp_path / "edited"))
     _forge(_iter(run, 3), *_version_of(run, 4), monkeypatch)
     assert recorded_schedule(run, ITERATIONS, 1) == {0: 0, 1: 0, 2: 1, 3: 3, 4: 3}
     with pytest.raises(ReplayMismatch, match="iteration 3: the replay sealed other facts"):
@@ -180,7 +187,7 @@ def test_replay_reports_a_record_whose_schedule_was_edited(whole, tmp_path, monk
     (4, 0, "beyond rollout.max_staleness=1"),                    # older than the rollout retains
 ])
 def test_replay_refuses_a_schedule_it_cannot_follow(whole, tmp_path, monkeypatch, iteration, by, why):
-    run = Path(shutil.copytree(whole[1][1], tmp_path / "edited"))
+    run = Path(shutil.copytree(whole["k1"][1], tmp_path / "edited"))
     _forge(_iter(run, iteration), *_version_of(run, by), monkeypatch)
     with pytest.raises(ScheduleError, match=f"iteration {iteration}: .*{why}"):
         replay(run, tmp_path / "replay")

@@ -12,7 +12,9 @@ with published versions flowing back from training to generation.
   timing, so a run is reproducible and its schedule can be replayed). It waits for that version
   to be published (backpressure: it is never more than k iterations ahead of training), and the
   queue holds at most k scored iterations. The rollout keeps serving the last k+1 versions
-  (RolloutEngine.retain), so a weight publication never aborts a generation in flight.
+  (RolloutEngine.retain), so a weight publication never aborts a generation in flight. A
+  checkpoint holds the versions the lane still samples from (`retained`, trainer/retained.py),
+  so a resume continues the same lag; a replay (trainer/replay.py) passes a recorded `schedule`.
 
 Staleness of a sample = the number of versions published after the one that sampled it, up to
 the one the actor holds when it consumes it (DESIGN section 10). The bound is enforced where
