@@ -127,6 +127,24 @@ def test_killed_at_each_stage_resumes_to_the_uninterrupted_weights(whole, tmp_pa
         assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
 
 
+def test_a_sealed_file_that_differs_from_the_resumed_run_is_replaced_and_said(whole, tmp_path, monkeypatch, capfd):
+    """Killed right after sealing iteration 3, whose file is then damaged: the resumed run cannot
+    reuse it, says so, and writes its own (the run still ends on the uninterrupted weights)."""
+    module, name, wrap = STAGES["seal"]
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, wrap(real))
+    with pytest.raises(RuntimeError, match="injected crash"):
+        _train(tmp_path, "exact", *_extra(1))
+    monkeypatch.setattr(module, name, real)
+    sealed3 = tmp_path / "exact" / "experience" / "iter_000003.parquet"
+    sealed3.write_bytes(sealed3.read_bytes()[:100])
+    capfd.readouterr()
+    summary, run = _train(tmp_path, "exact", *_extra(1), "run.resume=auto")
+    assert f"{sealed3} (sealed before the resume) cannot be read" in capfd.readouterr().err
+    assert summary["weights_hash"] == whole["k1"][0]["weights_hash"]
+    assert _sealed(run) == _sealed(whole["k1"][1]) and audit_run(run).ok
+
+
 def test_uninterrupted_runs_follow_the_fixed_lag(whole):
     """What the resumed runs are compared with: iteration i sampled by the version of step max(0, i - k)."""
     for variant, (_, run) in whole.items():
