@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     from sealrl.audit import add_parser as add_audit
     from sealrl.obs.report import add_parser as add_report
     from sealrl.trainer.recompute import add_parser as add_recompute
-    for add in (add_audit, add_report, add_recompute):
+    from sealrl.trainer.replay import add_parser as add_replay
+    for add in (add_audit, add_report, add_recompute, add_replay):
         add(sub)
     args = parser.parse_args(argv)
     from sealrl.config import UserError

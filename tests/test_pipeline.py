@@ -79,7 +79,7 @@ def test_k0_through_the_generation_lane_is_bitwise_the_synchronous_run(tmp_path,
     threaded generation lane: same weights, same sealed experience, same metrics."""
     sync_summary, sync_run = _train(tmp_path / "sync", "k0")
 
-    def threaded(run, start, end, version):
+    def threaded(run, start, end, version, recalled=None, schedule=None):
         return _closing(pipeline_module.Pipeline(run, start, end, version, threaded=True))
     monkeypatch.setattr(driver_module, "pipeline", threaded)
     lane_summary, lane_run = _train(tmp_path / "lane", "k0")
@@ -258,9 +258,9 @@ def test_an_async_run_killed_between_checkpoints_resumes_without_loss_or_duplica
     has already sampled iteration 4's prompts: the checkpoint records the sampler's position of
     the first unconsumed iteration, so the resumed run trains the same prompts per iteration as
     the run never interrupted (none skipped, none twice: the audit alone counts prompts per
-    iteration but cannot name a skipped batch) and stays within the bound. Its weights are not
-    the uninterrupted run's: after a resume the lag starts again from 0 (queues are not part of
-    the checkpoint yet)."""
+    iteration but cannot name a skipped batch) and stays within the bound. The checkpoint also
+    holds the version the lane still samples from, so the weights are the uninterrupted run's
+    (every stage: tests/test_exact_resume.py)."""
     real = driver_module.save_position
 
     def crash(run_dir, iteration, *args, **kwargs):
@@ -277,7 +277,8 @@ def test_an_async_run_killed_between_checkpoints_resumes_without_loss_or_duplica
     report = audit_run(run)
     assert report.ok, report.summary()
     assert report.num_iterations == 6 and report.num_samples == 6 * 16
-    _, whole = _train(tmp_path / "whole", "crash", *extra)   # the same run, never interrupted
+    whole_summary, whole = _train(tmp_path / "whole", "crash", *extra)   # the same run, never interrupted
+    assert summary["weights_hash"] == whole_summary["weights_hash"]
     prompts = lambda r: [(x["iteration"], x["prompt_id"]) for x in map(json.loads, (r / "ledger.jsonl").open())]  # noqa: E731
     assert prompts(run) == prompts(whole)
 
@@ -292,7 +293,7 @@ def test_a_failure_in_the_generation_lane_is_raised_in_the_training_lane(monkeyp
         raise RuntimeError(f"reward pool gone at iteration {it}")
     monkeypatch.setattr(pipeline_module, "produce", broken)
     sampler = SimpleNamespace(state_dict=lambda: {}, next_batch=lambda: [0])
-    run = SimpleNamespace(cfg=build_config(None, ["rollout.max_staleness=1"]), timer=StageTimer(),
+    run = SimpleNamespace(cfg=build_config(None, ["rollout.max_staleness=1"]), timer=StageTimer(), last_weights=None,
                           roles=SimpleNamespace(rollout=SimpleNamespace(retain=lambda n: None)), sampler=sampler)
     lanes = Pipeline(run, 0, 3, _version(0), threaded=True)
     try:

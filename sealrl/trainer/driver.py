@@ -24,18 +24,21 @@ from sealrl.trainer.evaluate import evaluate
 from sealrl.trainer.inputs import check_inputs, write_dropped_rows
 from sealrl.trainer.iteration_metrics import share_metrics
 from sealrl.trainer.pipeline import admit, pipeline, staleness_metrics
-from sealrl.trainer.position import forget_after, restore_position, save_position
+from sealrl.trainer.position import forget_after, forget_sealed_after, restore_position, save_position
 from sealrl.trainer.prepare import advantages, build_batch, prepare, seal
 from sealrl.trainer.record import record
 from sealrl.trainer.remax import put_baselines
+from sealrl.trainer.retained import recall
 from sealrl.trainer.setup import Run
 from sealrl.trainer.state import Phase, StageFailed, committed_id
 from sealrl.trainer.update import update
 
 
-def train(cfg: Config) -> dict:
+def train(cfg: Config, schedule: dict[int, int] | None = None) -> dict:
     """Run (or resume) a training run; returns the summary also written to summary.json.
-    Scorer processes are closed and torch's thread count restored however the run ends."""
+    Scorer processes are closed and torch's thread count restored however the run ends.
+    `schedule` (a replay's, trainer/replay.py): iteration -> the iteration whose consuming
+    version samples it, instead of the fixed lag."""
     check_inputs(cfg)   # paths and config rules, before anything is loaded or written
     threads = torch.get_num_threads()
     setup.make_deterministic(cfg)
@@ -45,7 +48,7 @@ def train(cfg: Config) -> dict:
         run_dir = setup.open_run_dir(cfg)
         lock = setup.lock_run_dir(run_dir)
         write_dropped_rows(run_dir, (data.train, data.eval))
-        return _train(setup.build_run(cfg, run_dir, roles, data))
+        return _train(setup.build_run(cfg, run_dir, roles, data), schedule)
     finally:
         roles.close()
         if lock is not None:
@@ -53,7 +56,7 @@ def train(cfg: Config) -> dict:
         torch.set_num_threads(threads)
 
 
-def _train(run: Run) -> dict:
+def _train(run: Run, schedule: dict[int, int] | None = None) -> dict:
     cfg, roles, data = run.cfg, run.roles, run.data
     resumed = restore_position(run.dir, cfg, roles, run.sampler, run.kl_ctl, data.hash) \
         if cfg.run.resume == "auto" else None
@@ -71,14 +74,16 @@ def _train(run: Run) -> dict:
                    max_new_tokens=cfg.rollout.max_new_tokens, num=cfg.eval.num, pass_k=cfg.eval.pass_k,
                    temperature=cfg.eval.temperature, seed=cfg.run.seed, num_scorers=cfg.reward.num_scorers,
                    timeout_s=cfg.reward.timeout_s)
+    recalled = recall(run, resumed) if resumed else {}   # k >= 1: the versions the lane still samples from
     version = publish(run)
     before = resumed["accuracy_before"] if resumed else evaluate(roles.rollout, version, data.eval, **eval_kw)
     wall = resumed["train_wall_s"] if resumed else 0.0
     progress = Progress(cfg.run.iterations, start, enabled=cfg.run.progress)
     it = start
-    with pipeline(run, start, cfg.run.iterations, version) as lanes:
+    with pipeline(run, start, cfg.run.iterations, version, recalled, schedule) as lanes:
         it, version, wall = _loop(run, lanes, start, version, before, wall, logger, progress, eval_kw)
     progress.close()
+    forget_sealed_after(run.dir, it + 1)   # a resumed run stopped (run.max_wall_s) before what it had sealed
     after = evaluate(roles.rollout, version, data.eval, **eval_kw)
     save_policy(roles.actor.model, roles.tokenizer, run.dir)   # LoRA: merged model/ and adapter/
     summary = {"accuracy_before": before.get("eval/accuracy"), "accuracy_after": after.get("eval/accuracy"),
@@ -102,7 +107,7 @@ def _loop(run: Run, lanes, start: int, version, before: dict, wall: float, logge
         metrics = run_iteration(run, it, version, lanes)
         if run.sm.committed != committed_id(version.id):   # else every step was skipped: nothing new
             version = publish(run)   # ACTOR_COMMITTED(v+1) -> ... -> ROLLOUT_READY(v+1)
-        lanes.publish(it + 1, version)   # the actor version that consumes iteration it + 1
+        lanes.publish(it + 1, version, run.last_weights)   # the actor version that consumes iteration it + 1
         metrics["time/weight_sync_s"] = run.timer.stage_seconds.get("weight_sync", 0.0)
         metrics["sync/bytes"] = float(run.sync_bytes)
         metrics["time/iteration_s"] = time.perf_counter() - t0
@@ -118,7 +123,7 @@ def _loop(run: Run, lanes, start: int, version, before: dict, wall: float, logge
         if last or (cfg.run.checkpoint_every and (it + 1) % cfg.run.checkpoint_every == 0):
             with run.stage("checkpoint", "driver"):
                 save_position(run.dir, it + 1, cfg, roles, SamplerAt(lanes.sampler_state(it + 1)), run.kl_ctl,
-                              data.hash, {"accuracy_before": before, "train_wall_s": wall})
+                              data.hash, {"accuracy_before": before, "train_wall_s": wall}, lanes.retained(it + 1))
             run.to(Phase.CHECKPOINT_DURABLE, f"step_{it + 1}")
         run.timer.flush()
         if last:
@@ -144,6 +149,7 @@ def publish(run: Run):
     with run.stage("weight_sync", "rollout"):
         state, manifest = in_dtype(*run.roles.actor.export(), run.cfg.rollout.dtype)  # checksums over what loads
         run.sync_bytes = sync_bytes(state)   # with LoRA, the adapter's tensors only
+        run.last_weights = state
         run.to(Phase.EXPORTING, manifest.version.id)
         run.to(Phase.ROLLOUT_LOADING, manifest.version.id)
         version = run.roles.rollout.load(state, manifest)

@@ -12,7 +12,9 @@ with published versions flowing back from training to generation.
   timing, so a run is reproducible and its schedule can be replayed). It waits for that version
   to be published (backpressure: it is never more than k iterations ahead of training), and the
   queue holds at most k scored iterations. The rollout keeps serving the last k+1 versions
-  (RolloutEngine.retain), so a weight publication never aborts a generation in flight.
+  (RolloutEngine.retain), so a weight publication never aborts a generation in flight. A
+  checkpoint holds the versions the lane still samples from (`retained`, trainer/retained.py),
+  so a resume continues the same lag; a replay (trainer/replay.py) passes a recorded `schedule`.
 
 Staleness of a sample = the number of versions published after the one that sampled it, up to
 the one the actor holds when it consumes it (DESIGN section 10). The bound is enforced where
@@ -139,9 +141,12 @@ class Pipeline:
     end: int
     first_version: object
     threaded: bool = False
+    recalled: dict = field(default_factory=dict)   # resume: iteration < start -> (version, weights) (retained.py)
+    schedule: dict | None = None                   # replay: iteration -> the iteration whose version samples it
     bound: int = field(init=False, default=0)      # rollout.max_staleness
     versions: dict = field(default_factory=dict)   # iteration -> the actor version consuming it
     chain: list = field(default_factory=list)      # distinct published version ids, in order
+    weights: dict = field(default_factory=dict)    # version id -> its published weights (k >= 1, the last k + 1)
 
     def __post_init__(self):
         self.bound = self.run.cfg.rollout.max_staleness
@@ -152,22 +157,43 @@ class Pipeline:
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, self.bound))
         self._stop = False
         self._thread = None
-        self.publish(self.start, self.first_version)
+        for it, (version, weights) in sorted(self.recalled.items()):   # the lag continues across a resume
+            self.publish(it, version, weights)
+        self.publish(self.start, self.first_version, self.run.last_weights)
+        self.origin = min(self.versions)   # the first iteration whose consuming version is known
         if self.threaded:
             self.run.roles.rollout.retain(self.bound + 1)
             self._thread = threading.Thread(target=self._lane, name="sealrl-generation", daemon=True)
             self._thread.start()
 
-    def sampled_by(self, it: int):
-        """The version that generates iteration `it`: the one consuming iteration it - k."""
-        return self.versions[max(self.start, it - self.bound)]
+    def source(self, it: int) -> int:
+        """The iteration whose consuming version generates iteration `it`: it - k (the fixed
+        lag), or what a replay's recorded schedule says."""
+        return self.schedule[it] if self.schedule is not None else max(self.origin, it - self.bound)
 
-    def publish(self, it: int, version) -> None:
+    def sampled_by(self, it: int):
+        """The version that generates iteration `it`: the one consuming iteration source(it)."""
+        return self.versions[self.source(it)]
+
+    def publish(self, it: int, version, weights: dict | None = None) -> None:
+        """Iteration `it` is consumed by `version`, whose published `weights` are kept while the
+        lane may still sample from it (a checkpoint saves them: retained())."""
         with self._cond:
             self.versions[it] = version
             if not self.chain or self.chain[-1] != version.id:
                 self.chain.append(version.id)
+            if self.bound and weights is not None:
+                self.weights[version.id] = weights
+                self.weights = {v: self.weights[v] for v in self.chain[-(self.bound + 1):] if v in self.weights}
             self._cond.notify_all()
+
+    def retained(self, it: int) -> dict:
+        """For a checkpoint before iteration `it`: iteration j < it -> (version, weights) of
+        every version that samples an iteration >= it (at most k; none for k = 0)."""
+        with self._cond:
+            ahead = range(it, min(self.end, it + self.bound))   # later iterations sample from it on
+            return {j: (self.versions[j], self.weights[self.versions[j].id])
+                    for j in sorted({self.source(i) for i in ahead}) if j < it}
 
     def get(self, it: int) -> Produced:
         """Iteration `it`'s scored groups: generated now (k = 0 inline) or taken from the queue."""
@@ -200,7 +226,7 @@ class Pipeline:
             lane = copy.copy(self.run)   # the same roles and data, the lane's own timer
             lane.timer = self.run.timer.lane()
             for it in range(self.start, self.end):
-                version = self._wait_version(max(self.start, it - self.bound))
+                version = self._wait_version(self.source(it))
                 with self._rollout_lock:
                     lane.timer.start_iteration(it)
                     p = produce(lane, it, self._prompts(it), version)
@@ -240,9 +266,10 @@ class Pipeline:
 
 
 @contextmanager
-def pipeline(run, start: int, end: int, version):
+def pipeline(run, start: int, end: int, version, recalled: dict | None = None, schedule: dict | None = None):
     """The pipeline of a run, closed however the run ends."""
-    p = Pipeline(run, start, end, version, threaded=run.cfg.rollout.max_staleness > 0)
+    p = Pipeline(run, start, end, version, threaded=run.cfg.rollout.max_staleness > 0,
+                 recalled=recalled or {}, schedule=schedule)
     try:
         yield p
     finally:

@@ -1,17 +1,21 @@
 """Saving and restoring the training position (DESIGN section 6) through checkpoint.py:
 actor (+critic) weights, optimizers, RNG, version counters, sampler cursor, KL controller,
-reference/tokenizer/config/data hashes. Experience is never carried across a checkpoint:
-checkpoints are taken at iteration boundaries, after the iteration's batch was consumed."""
+reference/tokenizer/config/data hashes and, with rollout.max_staleness >= 1, the versions the
+generation lane still samples from (retained.py). Experience is never carried across a
+checkpoint: checkpoints are taken at iteration boundaries, after the iteration's batch was
+consumed, and what the lane had generated ahead is generated again, bitwise, on resume."""
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 from safetensors.torch import load_file
 
 from sealrl import faults
 from sealrl.config import Config, config_diff, resumable_keys
+from sealrl.experience.store import read_iteration
 from sealrl.models.hf import model_config_hash, tokenizer_hash
 from sealrl.models.lora import checkpoint_exports, load_trainable_state, trainable_state
 from sealrl.rewards.base import reward_identity
@@ -26,14 +30,17 @@ from sealrl.trainer.checkpoint import (
     rng_to_flat,
     save_checkpoint,
 )
+from sealrl.trainer.retained import lane_position
 
 # Keys that may change between a run and its resumption: those the config declares resumable.
 RESUMABLE_KEYS = resumable_keys()
 
 
 def save_position(run_dir: Path, iteration: int, cfg: Config, roles, sampler, kl_ctl, data_hash: str,
-                  extra: dict) -> Path:
+                  extra: dict, retained: dict | None = None) -> Path:
+    """`retained`: Pipeline.retained(iteration), the lane's versions older than the actor's."""
     actor = roles.actor
+    lane_parts, lane = lane_position(retained or {}, actor)
     optim_t, optim_meta = optimizer_to_flat(actor.optimizer)
     # with LoRA the adapter only (trainable_state); the frozen base once, by its hash
     tensors = {"actor_model": dict(trainable_state(actor.model)), "actor_optim": optim_t, "rng": rng_to_flat()}
@@ -48,8 +55,10 @@ def save_position(run_dir: Path, iteration: int, cfg: Config, roles, sampler, kl
         "reward_fn": reward_identity(roles.reward.pool.fn),
         **_base_hashes(roles),
         "experience": "none pending: checkpoint taken after the iteration's batch was consumed",
+        **({"lane": lane} if lane["versions"] else {}),
         **extra,
     }
+    tensors.update(lane_parts)
     if roles.critic is not None:
         c_t, c_meta = optimizer_to_flat(roles.critic.optimizer)
         tensors["critic_model"] = dict(trainable_state(roles.critic.model))
@@ -129,9 +138,10 @@ def _nested_diff(prefix: str, old, new) -> list[str]:
 
 
 def forget_after(run_dir: Path, iteration: int) -> None:
-    """On resume from the checkpoint at `iteration`: drop what later iterations wrote before
-    the crash (metrics, ledger and served lines, experience files). They were never committed by a
-    checkpoint and the resumed run writes them again."""
+    """On resume from the checkpoint at `iteration`: drop the lines later iterations wrote
+    before the crash (metrics, ledger, served and consumed lines). They were never committed by a
+    checkpoint and the resumed run writes them again. Their sealed experience files stay: the
+    resumed run seals the same facts and does not write them twice (prepare.seal)."""
     for name in ("metrics.jsonl", "ledger.jsonl", "served.jsonl", "experience/consumed.jsonl"):
         path = run_dir / name
         if path.is_file():
@@ -140,9 +150,30 @@ def forget_after(run_dir: Path, iteration: int) -> None:
             tmp = path.with_suffix(".tmp")
             tmp.write_text("".join(line + "\n" for line in keep))
             os.replace(tmp, path)
+
+
+def forget_sealed_after(run_dir: Path, iteration: int) -> None:
+    """At the end of a run that stopped before `iteration`: the experience files of later
+    iterations were sealed before a resume and never consumed by this run; they go."""
     for f in (run_dir / "experience").glob("iter_*.parquet"):
         if int(f.stem.split("_")[1]) >= iteration:
             f.unlink()
+
+
+def sealed_before(path: Path, batch) -> bool:
+    """True when `path` already holds `batch`'s sealed facts: an iteration sealed before a crash
+    and re-derived by the resumed run, which then does not write it again. A file that differs
+    (a resume that is not exact) or cannot be read is replaced, and said on stderr."""
+    if not path.is_file():
+        return False
+    try:
+        if read_iteration(path).seal_digest == batch.seal_digest:
+            return True
+        why = "holds other facts than the resumed run's"
+    except Exception as e:  # noqa: BLE001 - any unreadable file is replaced, named
+        why = f"cannot be read ({type(e).__name__}: {e})"
+    print(f"sealrl: {path} (sealed before the resume) {why}; replaced", file=sys.stderr, flush=True)
+    return False
 
 
 def checkpoint_model_state(folder: Path) -> dict:

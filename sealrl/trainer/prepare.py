@@ -10,12 +10,13 @@ import json
 import torch
 
 from sealrl.experience import ExperienceBatch, RewardRecord, Role, SampleMeta, pad_token_rows
-from sealrl.experience.store import write_iteration
+from sealrl.experience.store import iteration_path, write_iteration
 from sealrl.roles.common import batch_sum_pi_squared
 from sealrl.rollout.engine import RolloutSample
 from sealrl.trainer.derive import derive
 from sealrl.trainer.episodes import action_masks, put_episode_facts
 from sealrl.trainer.ledger import IterationLedger
+from sealrl.trainer.position import sealed_before
 
 
 def build_batch(run, it: int, kept: dict[str, list[RolloutSample]], records: dict[str, RewardRecord],
@@ -87,7 +88,8 @@ def seal(run, it: int, batch: ExperienceBatch, ledger: IterationLedger, served: 
     extra = {"old_log_prob_mode": cfg.algorithm.old_log_prob,
              "reference_version": roles.reference.version.id if roles.reference else "",
              "rollout_backend": backend, "rollout_dtype": dtype}
-    write_iteration(run.dir / "experience", batch, extra={k: [v] * len(batch) for k, v in extra.items()})
+    if not sealed_before(iteration_path(run.dir / "experience", it), batch):   # a resume's, written once
+        write_iteration(run.dir / "experience", batch, extra={k: [v] * len(batch) for k, v in extra.items()})
     append_lines(run.dir / "ledger.jsonl", ledger.rows())
     append_lines(run.dir / "served.jsonl", [{"iteration": it, **call} for call in served])
 

@@ -88,6 +88,12 @@ class StateMachine:
                 self.recent.append(version)
         self.phase = phase
 
+    def recall(self, versions: list[str]) -> None:
+        """Resume of an asynchronous run: versions activated before the checkpoint that the
+        generation lane still samples from (re-loaded from it, trainer/retained.py), oldest
+        first; the version published next becomes the active one after them."""
+        self.recent.extend(versions)
+
     def _problem(self, phase: Phase, version: str) -> str:
         if phase not in _NEXT[self.phase]:
             return "not a transition of the iteration state machine"
