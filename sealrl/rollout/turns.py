@@ -1,0 +1,127 @@
+"""KV caches carried from one turn of an episode to the next, within one version (episodes.py).
+
+A row (one candidate of one request) stops at eos, a stop string or its budget; at that step
+its cache holds the keys and values of every token it fed: its prompt and its sampled tokens
+but the last (a sampled token is fed only when the next one is drawn). `TurnCache` keeps that
+block, compacted to its real columns, (c, layers, 2, H_kv, D), keyed by (group id, candidate)
+with the c token ids it covers. The next turn's request for that row carries the episode's
+sequence so far; the longest prefix the block covers is not fed again: only the rest (the
+last sampled token, then the observation ids as encoded once) runs through the model, on top
+of the block, and decoding goes on from there.
+
+Layout of a continued batch (the lean cache puts every row's new token at the same column):
+the blocks are right-aligned at column S (the longest block), the new tokens of each row
+right-aligned in columns [S, S + F) (F the longest feed), and decoding starts at S + F. A row's
+unused columns are zero and masked: attention is a sum over keys, so a masked gap between a
+row's block and its feed changes nothing but float rounding (keys keep the RoPE positions they
+were computed at; the feed takes positions c, c+1, ...). Rows with no usable block feed their
+whole prompt from an empty block (the same path).
+
+Why a cache is bound to one version: its keys and values were computed with that version's
+weights. A TurnCache is made for one EpisodeRunner.generate call, which samples every turn with
+the one version it holds, and the engine refuses it for any other version or backend. The HF
+fallback backend does not keep blocks: its turns prefill their sequence again (same numbers).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from sealrl.rollout.lean import KVCache, LeanCausalLM
+from sealrl.rollout.loop import RowOutputs, Start, decode_loop
+
+
+def keep_row(cache: KVCache, state: int, key_valid: Tensor | None) -> Tensor:
+    """The real key/value columns of decode state `state`, in order: (c, layers, 2, H_kv, D)."""
+    kv = cache.kv[:cache.length, :, :, state]   # (length, L, 2, H_kv, D) view
+    return kv.clone() if key_valid is None else kv[key_valid[state, :cache.length]]
+
+
+def continued(lm: LeanCausalLM, blocks: list[Tensor | None], feeds: list[tuple[int, ...]], max_new: int,
+              device: torch.device) -> Start:
+    """Decode states (one per row) from kept blocks (None: empty) plus the tokens each row feeds on top."""
+    B, f = len(blocks), [len(x) for x in feeds]
+    c = [0 if b is None else b.shape[0] for b in blocks]
+    S, F = max(c), max(f)
+    P = S + F
+    cache = lm.new_cache(B, P + max_new - 1)
+    key_valid = torch.zeros((B, P + max_new - 1), dtype=torch.bool, device=device)
+    key_valid[:, P:] = True
+    ids = torch.zeros((B, F), dtype=torch.long)
+    positions = torch.zeros((B, F), dtype=torch.long)
+    for i, (block, feed) in enumerate(zip(blocks, feeds)):
+        cache.kv[:S - c[i], :, :, i].zero_()   # masked, but never garbage (0 * NaN is NaN)
+        if c[i]:
+            cache.kv[S - c[i]:S, :, :, i] = block
+            key_valid[i, S - c[i]:S] = True
+        key_valid[i, P - f[i]:P] = True
+        ids[i, F - f[i]:] = torch.tensor(feed, dtype=torch.long)
+        positions[i, F - f[i]:] = torch.arange(c[i], c[i] + f[i])
+    cache.length = S
+    cols = torch.arange(P, device=device)
+    query_col = S + torch.arange(F, device=device)
+    causal = cols[None, :] <= query_col[:, None]    # (F, P)
+    own = cols[None, :] == query_col[:, None]       # padding queries attend to themselves (no NaN)
+    mask = (key_valid[:, None, :P] & causal[None]) | own[None]   # (B, F, P)
+    logits = lm.forward(ids.to(device), positions.to(device), cache, mask[:, None])
+    pad_len = P - torch.tensor(c, device=device) - torch.tensor(f, device=device)
+    return Start(logits, cache, P, pad_len, None if bool(key_valid.all()) else key_valid)
+
+
+class TurnCache:
+    """Kept KV blocks of one version's rows, for their next turn (see the module docstring)."""
+
+    def __init__(self, version) -> None:
+        self.version = version
+        self._backend = None
+        self._rows: dict[tuple[str, int], tuple[tuple[int, ...], Tensor]] = {}
+        self.fed_tokens = 0      # tokens run through the model (prefill or continued feed)
+        self.reused_tokens = 0   # tokens whose keys and values came from a kept block
+
+    def bind(self, version, backend) -> None:
+        """Refuse any other version, or another backend of it, than the one that filled it."""
+        if version != self.version:
+            raise ValueError(f"a turn cache of {self.version} asked to serve {version}: "
+                             "KV caches are never reused across versions")
+        if self._backend is None:
+            self._backend = backend
+        elif backend is not self._backend:
+            raise ValueError(f"a turn cache of {self.version} asked to serve another backend")
+
+    def forget(self, keys) -> None:
+        """Drop the blocks of rows that will not continue (their episode ended)."""
+        for k in keys:
+            self._rows.pop(k, None)
+
+    def _split(self, key: tuple[str, int], prompt: tuple[int, ...]) -> tuple[int, Tensor | None]:
+        """(m, block of prompt[:m]): the longest kept prefix of `prompt`, leaving one token to feed."""
+        covered, block = self._rows.pop(key, ((), None))
+        m, top = 0, min(len(covered), len(prompt) - 1)
+        while m < top and covered[m] == prompt[m]:
+            m += 1
+        return m, None if block is None else block[:m]
+
+    def decode(self, backend, keys: list[tuple[str, int]], prompts: list[tuple[int, ...]], seeds: list[int],
+               contract, device: torch.device, eos_ids: frozenset[int], stops, started: float) -> RowOutputs:
+        """decode_loop over rows `keys` (prompt, seed each), reusing and then keeping their blocks."""
+        splits = [self._split(k, p) for k, p in zip(keys, prompts)]
+        if not any(m for m, _ in splits):    # a first turn: each distinct prompt prefilled once
+            distinct = list(dict.fromkeys(prompts))
+            index = {p: i for i, p in enumerate(distinct)}
+            self.fed_tokens += sum(len(p) for p in distinct)
+            out = decode_loop(backend, distinct, [index[p] for p in prompts], seeds, contract, device, eos_ids,
+                              stops, started, keep=keep_row)
+        else:
+            blocks = [b if m else None for m, b in splits]
+            feeds = [p[m:] for (m, _), p in zip(splits, prompts)]
+            self.fed_tokens += sum(len(x) for x in feeds)
+            self.reused_tokens += sum(m for m, _ in splits)
+            start = continued(backend.lm, blocks, feeds, contract.max_new_tokens, device)
+            out = decode_loop(backend, [], list(range(len(keys))), seeds, contract, device, eos_ids, stops,
+                              started, start=start, keep=keep_row)
+        for k, p, tokens, block in zip(keys, prompts, out.tokens, out.kept):
+            covered = p + tuple(tokens[:-1])
+            assert block.shape[0] == len(covered), (block.shape, len(covered))   # the block is its ids
+            self._rows[k] = (covered, block)
+        out.kept = [None] * len(keys)
+        return out
