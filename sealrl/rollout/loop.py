@@ -135,8 +135,8 @@ def decode_loop(backend, prompts: list[tuple[int, ...]], group_of: list[int], se
     seeds[row] = the row's candidate seed; started = time.perf_counter() the finish times are
     measured from (default: entering this function). `start`: decode states built by the
     caller instead of the prefill (a continued turn, rollout/turns.py; prompts unused).
-    `keep(cache, state, key_valid)`: called for each row at the step it stops, before the
-    cache is compacted; its result is stored in RowOutputs.kept[row].
+    `keep(cache, states, key_valid)`: called at each step where rows stop (their states), before
+    the cache is compacted; what it returns per state is stored in RowOutputs.kept[row].
     """
     started = time.perf_counter() if started is None else started
     max_new = contract.max_new_tokens
@@ -157,11 +157,11 @@ def decode_loop(backend, prompts: list[tuple[int, ...]], group_of: list[int], se
         now = time.perf_counter() - started
         for row in set(alive).difference(nxt.alive):  # rows that stopped at this step
             out.finish_s[row] = now
-        if keep is not None:
+        if keep is not None and len(nxt.alive) < len(alive):
             going = set(nxt.alive)
-            for i, row in enumerate(alive):
-                if row not in going:
-                    out.kept[row] = keep(cache, state[i], key_valid)
+            stopped = [(row, state[i]) for i, row in enumerate(alive) if row not in going]
+            for (row, _), kept in zip(stopped, keep(cache, [s for _, s in stopped], key_valid)):
+                out.kept[row] = kept
         if not nxt.alive:
             break
         if nxt.parents != list(range(logits.shape[0])):  # states split or ended: new layout

@@ -31,41 +31,44 @@ from sealrl.rollout.lean import KVCache, LeanCausalLM
 from sealrl.rollout.loop import RowOutputs, Start, decode_loop
 
 
-def keep_row(cache: KVCache, state: int, key_valid: Tensor | None) -> Tensor:
-    """The real key/value columns of decode state `state`, in order: (c, layers, 2, H_kv, D)."""
-    kv = cache.kv[:cache.length, :, :, state]   # (length, L, 2, H_kv, D) view
-    return kv.clone() if key_valid is None else kv[key_valid[state, :cache.length]]
+def keep_rows(cache: KVCache, states: list[int], key_valid: Tensor | None) -> list[Tensor]:
+    """The real key/value columns of each decode state in `states`, in order: (c, layers, 2,
+    H_kv, D) each, gathered in one copy."""
+    n = cache.length
+    if key_valid is None:
+        cols = torch.arange(n, device=cache.kv.device).repeat(len(states))
+        rows, lengths = torch.tensor(states, device=cache.kv.device).repeat_interleave(n), [n] * len(states)
+    else:
+        rows, cols = key_valid[states, :n].nonzero(as_tuple=True)   # row-major: each state's columns in order
+        lengths = torch.bincount(rows, minlength=len(states)).tolist()
+        rows = torch.tensor(states, device=cache.kv.device)[rows]
+    return list(cache.kv[cols, :, :, rows].split(lengths))   # (sum c, L, 2, H_kv, D), split per state
 
 
 def continued(lm: LeanCausalLM, blocks: list[Tensor | None], feeds: list[tuple[int, ...]], max_new: int,
               device: torch.device) -> Start:
     """Decode states (one per row) from kept blocks (None: empty) plus the tokens each row feeds on top."""
-    B, f = len(blocks), [len(x) for x in feeds]
-    c = [0 if b is None else b.shape[0] for b in blocks]
-    S, F = max(c), max(f)
-    P = S + F
-    cache = lm.new_cache(B, P + max_new - 1)
-    key_valid = torch.zeros((B, P + max_new - 1), dtype=torch.bool, device=device)
-    key_valid[:, P:] = True
-    ids = torch.zeros((B, F), dtype=torch.long)
-    positions = torch.zeros((B, F), dtype=torch.long)
-    for i, (block, feed) in enumerate(zip(blocks, feeds)):
-        cache.kv[:S - c[i], :, :, i].zero_()   # masked, but never garbage (0 * NaN is NaN)
-        if c[i]:
-            cache.kv[S - c[i]:S, :, :, i] = block
-            key_valid[i, S - c[i]:S] = True
-        key_valid[i, P - f[i]:P] = True
-        ids[i, F - f[i]:] = torch.tensor(feed, dtype=torch.long)
-        positions[i, F - f[i]:] = torch.arange(c[i], c[i] + f[i])
+    B = len(blocks)
+    c = torch.tensor([0 if b is None else b.shape[0] for b in blocks], device=device)   # (B,)
+    f = torch.tensor([len(x) for x in feeds], device=device)                              # (B,)
+    S, F = int(c.max()), int(f.max())
+    P, max_len = S + F, S + F + max_new - 1
+    cache = lm.new_cache(B, max_len)
+    cache.kv[:S].zero_()   # masked columns hold zeros, never garbage (0 * NaN is NaN)
+    col = torch.arange(max_len, device=device)[None, :]   # (1, max_len)
+    key_valid = ((col >= S - c[:, None]) & (col < S)) | (col >= P - f[:, None])   # (B, max_len)
+    if S:
+        rows, cols = key_valid[:, :S].nonzero(as_tuple=True)   # row-major, as the blocks are concatenated
+        cache.kv[cols, :, :, rows] = torch.cat([b for b in blocks if b is not None])
+    ids = torch.tensor([(0,) * (F - len(x)) + tuple(x) for x in feeds], dtype=torch.long, device=device)  # (B, F)
+    positions = (c[:, None] + torch.arange(F, device=device)[None, :] - (F - f[:, None])).clamp(min=0)
     cache.length = S
-    cols = torch.arange(P, device=device)
     query_col = S + torch.arange(F, device=device)
-    causal = cols[None, :] <= query_col[:, None]    # (F, P)
-    own = cols[None, :] == query_col[:, None]       # padding queries attend to themselves (no NaN)
+    causal = col[:, :P] <= query_col[:, None]     # (F, P)
+    own = col[:, :P] == query_col[:, None]        # padding queries attend to themselves (no NaN)
     mask = (key_valid[:, None, :P] & causal[None]) | own[None]   # (B, F, P)
-    logits = lm.forward(ids.to(device), positions.to(device), cache, mask[:, None])
-    pad_len = P - torch.tensor(c, device=device) - torch.tensor(f, device=device)
-    return Start(logits, cache, P, pad_len, None if bool(key_valid.all()) else key_valid)
+    logits = lm.forward(ids, positions, cache, mask[:, None])
+    return Start(logits, cache, P, P - c - f, None if bool(key_valid.all()) else key_valid)
 
 
 class TurnCache:
@@ -110,7 +113,7 @@ class TurnCache:
             index = {p: i for i, p in enumerate(distinct)}
             self.fed_tokens += sum(len(p) for p in distinct)
             out = decode_loop(backend, distinct, [index[p] for p in prompts], seeds, contract, device, eos_ids,
-                              stops, started, keep=keep_row)
+                              stops, started, keep=keep_rows)
         else:
             blocks = [b if m else None for m, b in splits]
             feeds = [p[m:] for (m, _), p in zip(splits, prompts)]
@@ -118,7 +121,7 @@ class TurnCache:
             self.reused_tokens += sum(m for m, _ in splits)
             start = continued(backend.lm, blocks, feeds, contract.max_new_tokens, device)
             out = decode_loop(backend, [], list(range(len(keys))), seeds, contract, device, eos_ids, stops,
-                              started, start=start, keep=keep_row)
+                              started, start=start, keep=keep_rows)
         for k, p, tokens, block in zip(keys, prompts, out.tokens, out.kept):
             covered = p + tuple(tokens[:-1])
             assert block.shape[0] == len(covered), (block.shape, len(covered))   # the block is its ids
