@@ -55,7 +55,7 @@ def oversample(run, it: int, version, ledger: IterationLedger, groups: dict, rec
             break
         batch = [run.data.train[i] for i in sampler.next_batch()]
         extra, requests = new_iteration(it, cfg.rollout.n, cfg.rollout.max_retries, cfg.run.name, cfg.run.seed,
-                                        [(p.prompt_id, p.token_ids) for p in batch])
+                                        batch)
         prompts.update(zip(requests, batch))
         with run.stage("generate", "rollout"):
             new_groups = generate(run, extra, requests, version)
