@@ -113,7 +113,8 @@ def test_arith_tools_model_cached_turns_equal_prefilled_turns():
 
 def test_a_continued_batch_may_mix_kept_and_new_rows_and_reuse_the_common_prefix():
     """Engine level: one call holds a row continuing from its block, a row whose request
-    diverged from its block after 2 tokens (only those are reused), and a row never seen."""
+    diverged from its block after 2 tokens (only those are reused), a row never seen, and a
+    row never seen whose sequence is the first one's (it shares that row's state: fed once)."""
     model, tok = build_tiny_model(seed=1)
     engine, version = _engine(model, tok)
     contract = SamplingContract(max_new_tokens=6)
@@ -123,9 +124,11 @@ def test_a_continued_batch_may_mix_kept_and_new_rows_and_reuse_the_common_prefix
     assert kv.fed_tokens == 4   # one prefill for both candidates
     nxt = [GenerationRequest("g/a", first[0].prompt_ids + first[0].response_ids + enc(";5"), 9, (0,)),
            GenerationRequest("g/a", enc("1+9=") + first[1].response_ids, 9, (1,)),
-           GenerationRequest("g/new", enc("44*3="), 10, (0,))]
+           GenerationRequest("g/new", enc("44*3="), 10, (0,)),
+           GenerationRequest("g/twin", first[0].prompt_ids + first[0].response_ids + enc(";5"), 9, (0,))]
     cached = engine.generate(nxt, contract, version, kv=kv)
     plain = engine.generate(nxt, contract, version)
+    assert cached[3].response_ids == cached[0].response_ids   # same sequence, same seed
     for a, b in zip(cached, plain):
         assert a.response_ids == b.response_ids and a.stop_reason is b.stop_reason
         assert a.rollout_log_probs == pytest.approx(b.rollout_log_probs, abs=1e-5, rel=0)

@@ -34,6 +34,10 @@ from sealrl.rollout.loop import RowOutputs, Start, decode_loop
 def keep_rows(cache: KVCache, states: list[int], key_valid: Tensor | None) -> list[Tensor]:
     """The real key/value columns of each decode state in `states`, in order: (c, layers, 2,
     H_kv, D) each, gathered in one copy."""
+    uniq = list(dict.fromkeys(states))   # rows sharing a state share its block
+    if len(uniq) < len(states):
+        blocks = dict(zip(uniq, keep_rows(cache, uniq, key_valid)))
+        return [blocks[s] for s in states]
     n = cache.length
     if key_valid is None:
         cols = torch.arange(n, device=cache.kv.device).repeat(len(states))
@@ -108,19 +112,24 @@ class TurnCache:
                contract, device: torch.device, eos_ids: frozenset[int], stops, started: float) -> RowOutputs:
         """decode_loop over rows `keys` (prompt, seed each), reusing and then keeping their blocks."""
         splits = [self._split(k, p) for k, p in zip(keys, prompts)]
-        if not any(m for m, _ in splits):    # a first turn: each distinct prompt prefilled once
-            distinct = list(dict.fromkeys(prompts))
-            index = {p: i for i, p in enumerate(distinct)}
+        # Rows with the same sequence share one state, as identical prompts do in a prefill (a
+        # confident policy's candidates often make the same call and get the same answer).
+        distinct: dict[tuple[int, ...], tuple[int, Tensor | None]] = {}
+        for p, (m, block) in zip(prompts, splits):
+            if p not in distinct or m > distinct[p][0]:
+                distinct[p] = (m, block)
+        index = {p: i for i, p in enumerate(distinct)}
+        if not any(m for m, _ in distinct.values()):    # a first turn: each distinct prompt prefilled once
             self.fed_tokens += sum(len(p) for p in distinct)
-            out = decode_loop(backend, distinct, [index[p] for p in prompts], seeds, contract, device, eos_ids,
-                              stops, started, keep=keep_rows)
+            out = decode_loop(backend, list(distinct), [index[p] for p in prompts], seeds, contract, device,
+                              eos_ids, stops, started, keep=keep_rows)
         else:
-            blocks = [b if m else None for m, b in splits]
-            feeds = [p[m:] for (m, _), p in zip(splits, prompts)]
+            blocks = [b if m else None for m, b in distinct.values()]
+            feeds = [p[m:] for p, (m, _) in distinct.items()]
             self.fed_tokens += sum(len(x) for x in feeds)
-            self.reused_tokens += sum(m for m, _ in splits)
+            self.reused_tokens += sum(m for m, _ in distinct.values())
             start = continued(backend.lm, blocks, feeds, contract.max_new_tokens, device)
-            out = decode_loop(backend, [], list(range(len(keys))), seeds, contract, device, eos_ids, stops,
+            out = decode_loop(backend, [], [index[p] for p in prompts], seeds, contract, device, eos_ids, stops,
                               started, start=start, keep=keep_rows)
         for k, p, tokens, block in zip(keys, prompts, out.tokens, out.kept):
             covered = p + tuple(tokens[:-1])
