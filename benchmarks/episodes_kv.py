@@ -57,6 +57,17 @@ def main() -> None:
     env = make_env("calc", 2.0)
     runners = {"reuse": EpisodeRunner(spec, tok, env=env), "prefill": EpisodeRunner(spec, tok, env=env, reuse_kv=False)}
     times: dict[str, list[float]] = {k: [] for k in runners}
+    fed = {k: 0 for k in runners}   # tokens run through the model before decoding (prefill or continued feed)
+
+    def counting(name):
+        def generate(reqs, c, version, kv=None):
+            before = 0 if kv is None else kv.fed_tokens
+            out = engine.generate(reqs, c, version, kv=kv)
+            fed[name] += kv.fed_tokens - before if kv is not None else \
+                sum(len(p) for p in dict.fromkeys(r.prompt_ids for r in reqs))
+            return out
+        return generate
+
     turns = tokens = 0
     try:
         for r in range(args.repeats):
@@ -66,7 +77,7 @@ def main() -> None:
             out = {}
             for name in (("reuse", "prefill") if r % 2 == 0 else ("prefill", "reuse")):
                 t0 = time.perf_counter()
-                out[name] = runners[name].generate(engine.generate, reqs, contract, manifest.version)
+                out[name] = runners[name].generate(counting(name), reqs, contract, manifest.version)
                 times[name].append(time.perf_counter() - t0)
             assert [s.response_ids for s in out["reuse"]] == [s.response_ids for s in out["prefill"]]
             turns += sum(len(s.episode.turns) for s in out["reuse"])
@@ -76,11 +87,13 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     episodes = args.repeats * args.prompts * args.n
     print(f"{episodes} episodes, {turns / episodes:.2f} turns each, {tokens / episodes:.1f} response tokens each")
+    print(f"tokens fed before decoding: {fed['reuse']} with the turn cache, {fed['prefill']} re-prefilling")
     for k, v in times.items():
         runs = ", ".join(f"{x:.3f}" for x in v)
         print(f"{k:8s} median {med[k]:.3f} s per {args.prompts}x{args.n} episodes  (all: {runs})")
     print(json.dumps({"threads": args.threads, "repeats": args.repeats, "median_s": med,
-                      "speedup": med["prefill"] / med["reuse"], "turns_per_episode": turns / episodes}))
+                      "speedup": med["prefill"] / med["reuse"], "turns_per_episode": turns / episodes,
+                      "fed_tokens": fed}))
 
 
 if __name__ == "__main__":

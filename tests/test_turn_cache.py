@@ -154,3 +154,20 @@ def test_a_turn_cache_never_serves_another_version():
     engine.load_weights(model.state_dict(), manifest)
     with pytest.raises(ValueError, match="another backend"):
         engine.generate(req, SamplingContract(max_new_tokens=3), again, kv=kv1)
+
+
+def test_the_hf_fallback_keeps_no_blocks_and_prefills_every_turn():
+    model, tok = build_tiny_model(seed=0)
+    manifest = build_manifest(model.state_dict(), "run", 0, 0, tokenizer_hash(tok), model_config_hash(model.config))
+    hf = RolloutEngine(model, tok, prefer_lean=False)
+    hf.load_weights(model.state_dict(), manifest)
+    reqs = [GenerationRequest("run/0/a", tuple(tok.encode("12+34=", add_special_tokens=False)), 5, (0, 1))]
+    contract, spec = SamplingContract(max_new_tokens=8), EpisodeSpec("digits", max_turns=3, max_tokens=30)
+    counting = Counting(hf)
+    with_kv = EpisodeRunner(spec, tok, env=DigitEnv()).generate(counting, reqs, contract, manifest.version)
+    without = EpisodeRunner(spec, tok, env=DigitEnv(), reuse_kv=False).generate(hf.generate, reqs, contract,
+                                                                               manifest.version)
+    assert [s.response_ids for s in with_kv] == [s.response_ids for s in without]
+    assert [s.rollout_log_probs for s in with_kv] == [s.rollout_log_probs for s in without]   # the same path
+    assert counting.kvs[0].fed_tokens == 0 and counting.kvs[0].reused_tokens == 0
+    assert any(len(s.episode.turns) > 1 for s in with_kv)
