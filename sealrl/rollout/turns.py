@@ -7,7 +7,9 @@ block, compacted to its real columns, (c, layers, 2, H_kv, D), keyed by (group i
 with the c token ids it covers. The next turn's request for that row carries the episode's
 sequence so far; the longest prefix the block covers is not fed again: only the rest (the
 last sampled token, then the observation ids as encoded once) runs through the model, on top
-of the block, and decoding goes on from there.
+of the block, and decoding goes on from there. Rows whose sequences are equal share one decode
+state, as identical prompts share one prefill (a confident policy's candidates often make the
+same call and get the same answer; decoding them apart cost 3x the re-prefill's time).
 
 Layout of a continued batch (the lean cache puts every row's new token at the same column):
 the blocks are right-aligned at column S (the longest block), the new tokens of each row
