@@ -51,7 +51,7 @@ def scripted(tok, script: list[tuple[str, StopReason]]):
     recording every request it is sent."""
     seen: list[GenerationRequest] = []
 
-    def generate(reqs, contract, version):
+    def generate(reqs, contract, version, kv=None):
         out = []
         for r in reqs:
             k = sum(1 for q in seen if (q.group_id, q.candidates) == (r.group_id, r.candidates))

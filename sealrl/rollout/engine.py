@@ -8,7 +8,9 @@ then generation requests for the version it holds. What it guarantees:
   failed load leaves the previous version serving. Staging and activation are separate calls
   so that a pool of replicas activates only once every replica has verified (two phases,
   placement/rollout_pool.RolloutPool.load). KV caches live inside one generate call
-  and are bound to the version that call started with: nothing cached survives a swap;
+  and are bound to the version that call started with: nothing cached survives a swap (an
+  episode's turn cache, turns.py, spans the turns of one episode call and is refused by any
+  other version or backend);
 - a prompt is prefilled once and its cache fanned out to the group's candidates; candidates
   share a cache row while their tokens coincide; finished rows leave the batch (the cache is
   compacted) and decoding stops when all finished (loop.py);
@@ -42,6 +44,7 @@ from sealrl.rollout.lean import lean_unsupported_reason
 from sealrl.rollout.loop import decode_loop
 from sealrl.rollout.sampling import candidate_seed
 from sealrl.rollout.stops import StopChecker
+from sealrl.rollout.turns import TurnCache
 from sealrl.sync.adapter import AdapterManifest, merge_adapter, verify_adapter
 from sealrl.sync.manifest import WeightManifest, WeightSyncError, verify_weights
 
@@ -234,8 +237,10 @@ class RolloutEngine:
         self.activate(self.stage(state_dict, manifest))
 
     def generate(self, requests: list[GenerationRequest], contract: SamplingContract,
-                 version: PolicyVersion) -> list[RolloutSample]:
-        """Sample every requested candidate; samples come back in request, then candidate order."""
+                 version: PolicyVersion, kv: TurnCache | None = None) -> list[RolloutSample]:
+        """Sample every requested candidate; samples come back in request, then candidate order.
+        `kv`: an episode call's turn cache (turns.py): each row continues from the block its
+        previous turn kept, and keeps its own; bound to `version` (the lean backend only)."""
         started = time.perf_counter()  # finish_s is measured from here
         snap = self._active  # read once: this call uses this version to the end
         if snap is not None and snap.version != version:   # a retained earlier version (retain)
@@ -257,10 +262,17 @@ class RolloutEngine:
         prompt_index = {p: i for i, p in enumerate(prompts)}
         rows = [(req, cand) for req in requests for cand in req.candidates]
         seeds = [candidate_seed(req.seed, cand) for req, cand in rows]
+        if kv is not None:
+            kv.bind(snap.version, snap.backend)
         with torch.inference_mode():
-            out = decode_loop(snap.backend, prompts, [prompt_index[req.prompt_ids] for req, _ in rows],
-                              seeds, contract, self.device, self.eos_ids,
-                              StopChecker(self.tokenizer, contract.stop), started)
+            if kv is not None and isinstance(snap.backend, LeanBackend):
+                out = kv.decode(snap.backend, [(req.group_id, cand) for req, cand in rows],
+                                [req.prompt_ids for req, _ in rows], seeds, contract, self.device, self.eos_ids,
+                                StopChecker(self.tokenizer, contract.stop), started)
+            else:
+                out = decode_loop(snap.backend, prompts, [prompt_index[req.prompt_ids] for req, _ in rows],
+                                  seeds, contract, self.device, self.eos_ids,
+                                  StopChecker(self.tokenizer, contract.stop), started)
         filtered = contract.filtered
         return [RolloutSample(sample_id(req.group_id, cand), req.group_id, cand, req.prompt_ids,
                               tuple(out.tokens[i]), tuple(out.log_probs[i]),

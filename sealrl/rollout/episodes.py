@@ -18,8 +18,13 @@ says done (its last turn's eos / stop), at the token budget (LENGTH), or at the 
 failed (regenerated with the same seeds, then its group dropped and recorded by the ledger),
 never scored. Tool failures are statuses of their turn (experience/episode.py), never rewards.
 
-Every turn is sampled from the one version the call holds. The KV cache is not carried across
-turns: each turn prefills its sequence again (same ids, same weights).
+Every turn is sampled from the one version the call holds, and each episode's KV cache is
+carried from one turn to the next (rollout/turns.py, a TurnCache made per call, so per
+version): a continued turn feeds only its last sampled token and its observation ids on top of
+the kept keys and values, never the whole sequence again. The ids are those a re-prefill would
+sample and the log-probs equal its up to float rounding (tests/test_turn_cache.py: 1e-5 in
+fp32); `reuse_kv=False` keeps that re-prefill path for those tests. The HF fallback backend
+keeps no caches and prefills every turn.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ from sealrl.experience.ids import sample_id
 from sealrl.experience.records import SamplingContract, StopReason
 from sealrl.rollout.engine import GenerationRequest, RolloutSample
 from sealrl.rollout.sampling import _splitmix64
+from sealrl.rollout.turns import TurnCache
 
 
 @dataclass(frozen=True)
@@ -87,19 +93,23 @@ class _Episode:
         return len(self.sequence) - len(self.request.prompt_ids)
 
 
-Generate = Callable[[list[GenerationRequest], SamplingContract, Any], list[RolloutSample]]
+Generate = Callable[..., list[RolloutSample]]   # (requests, contract, version, kv=TurnCache | None)
 
 
 class EpisodeRunner:
-    def __init__(self, spec: EpisodeSpec, tokenizer, env=None) -> None:
-        self.spec, self.tokenizer = spec, tokenizer
+    def __init__(self, spec: EpisodeSpec, tokenizer, env=None, reuse_kv: bool = True) -> None:
+        """`reuse_kv=False`: every turn prefills its whole sequence again (the reference path
+        of the parity tests; same ids, log-probs equal up to float rounding)."""
+        self.spec, self.tokenizer, self.reuse_kv = spec, tokenizer, reuse_kv
         self.env = env if env is not None else make_env(spec.env, spec.tool_timeout_s)
 
     def generate(self, generate: Generate, requests: list[GenerationRequest], contract: SamplingContract,
                  version) -> list[RolloutSample]:
-        """Play every (request, candidate) episode to its end; samples in request, candidate order."""
+        """Play every (request, candidate) episode to its end; samples in request, candidate order.
+        `generate(requests, contract, version, kv=)` samples one turn (RolloutEngine.generate)."""
         episodes = [self._start(r, c) for r in requests for c in r.candidates]
         stops = tuple(dict.fromkeys(contract.stop + tuple(self.env.stops)))
+        kv = TurnCache(version) if self.reuse_kv else None   # this call's version only
         for turn in range(self.spec.max_turns):
             live = [e for e in episodes if e.end is None]
             by_budget: dict[int, list[_Episode]] = {}
@@ -109,8 +119,10 @@ class EpisodeRunner:
                 turn_contract = dataclasses.replace(contract, max_new_tokens=budget, stop=stops)
                 reqs = [GenerationRequest(e.request.group_id, tuple(e.sequence), turn_seed(e.request.seed, turn),
                                           (e.candidate,)) for e in group]
-                for e, s in zip(group, generate(reqs, turn_contract, version)):
+                for e, s in zip(group, generate(reqs, turn_contract, version, kv=kv)):
                     self._advance(e, s, turn)
+            if kv is not None:
+                kv.forget([(e.request.group_id, e.candidate) for e in live if e.end is not None])
         for e in episodes:   # the turn budget ran out while the environment wanted more
             if e.end is None:
                 e.end = StopReason.MAX_TURNS

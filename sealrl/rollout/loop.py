@@ -35,11 +35,12 @@ class RowOutputs:
     filtered_log_probs: list[list[float]]
     reasons: list[StopReason | None]
     finish_s: list[float]  # seconds from `started` to the end of the step the row stopped at
+    kept: list = field(default_factory=list)  # per row, what decode_loop's `keep` returned
 
     @classmethod
     def empty(cls, rows: int) -> "RowOutputs":
         return cls([[] for _ in range(rows)], [[] for _ in range(rows)],
-                   [[] for _ in range(rows)], [None] * rows, [0.0] * rows)
+                   [[] for _ in range(rows)], [None] * rows, [0.0] * rows, [None] * rows)
 
 
 @dataclass
@@ -93,18 +94,26 @@ def _record(out: RowOutputs, alive: list[int], state: list[int], tokens: Tensor,
     return nxt
 
 
-def decode_loop(backend, prompts: list[tuple[int, ...]], group_of: list[int], seeds: list[int],
-                contract: SamplingContract, device: torch.device, eos_ids: frozenset[int],
-                stops: StopChecker, started: float | None = None) -> RowOutputs:
-    """Prefill each distinct prompt once, then sample all rows until every row stopped.
+@dataclass
+class Start:
+    """The decode states before the first sampled token: their logits and cache.
 
-    prompts (G distinct prompt sequences); group_of[row] = index of the row's prompt;
-    seeds[row] = the row's candidate seed; started = time.perf_counter() the finish times are
-    measured from (default: entering this function).
+    Column `width` of the cache is where the first sampled token is fed; the token at column
+    `col` of state s has RoPE position col - pad_len[s]; key_valid (states, max_len) marks the
+    real key columns, None when none is padding.
     """
-    started = time.perf_counter() if started is None else started
+
+    logits: Tensor                # (G, V) fp32
+    cache: object
+    width: int
+    pad_len: Tensor               # (G,)
+    key_valid: Tensor | None
+
+
+def prefilled(backend, prompts: list[tuple[int, ...]], max_new: int, device: torch.device) -> Start:
+    """Prefill each distinct prompt once, left-padded to a common width: one state per prompt."""
     ids, valid = _left_pad(prompts, device)  # (G, P)
-    P, max_new = ids.shape[1], contract.max_new_tokens
+    P = ids.shape[1]
     max_len = P + max_new - 1  # the last sampled token is never fed back
     positions = (valid.long().cumsum(1) - 1).clamp(min=0)  # (G, P)
     logits, cache = backend.prefill(ids, positions, valid, max_len)  # (G, V): a state per prompt
@@ -113,6 +122,27 @@ def decode_loop(backend, prompts: list[tuple[int, ...]], group_of: list[int], se
     if not bool(valid.all()):
         key_valid = torch.ones((len(prompts), max_len), dtype=torch.bool, device=device)
         key_valid[:, :P] = valid
+    return Start(logits, cache, P, pad_len, key_valid)
+
+
+def decode_loop(backend, prompts: list[tuple[int, ...]], group_of: list[int], seeds: list[int],
+                contract: SamplingContract, device: torch.device, eos_ids: frozenset[int],
+                stops: StopChecker, started: float | None = None, start: Start | None = None,
+                keep=None) -> RowOutputs:
+    """Prefill each distinct prompt once, then sample all rows until every row stopped.
+
+    prompts (G distinct prompt sequences); group_of[row] = index of the row's prompt;
+    seeds[row] = the row's candidate seed; started = time.perf_counter() the finish times are
+    measured from (default: entering this function). `start`: decode states built by the
+    caller instead of the prefill (a continued turn, rollout/turns.py; prompts unused).
+    `keep(cache, states, key_valid)`: called at each step where rows stop (their states), before
+    the cache is compacted; what it returns per state is stored in RowOutputs.kept[row].
+    """
+    started = time.perf_counter() if started is None else started
+    max_new = contract.max_new_tokens
+    if start is None:
+        start = prefilled(backend, prompts, max_new, device)
+    logits, cache, P, pad_len, key_valid = start.logits, start.cache, start.width, start.pad_len, start.key_valid
     noise = uniform_noise(torch.tensor(seeds, dtype=torch.int64, device=device),
                           torch.arange(max_new, device=device))  # (N, max_new) per row
     out = RowOutputs.empty(len(seeds))
@@ -127,6 +157,11 @@ def decode_loop(backend, prompts: list[tuple[int, ...]], group_of: list[int], se
         now = time.perf_counter() - started
         for row in set(alive).difference(nxt.alive):  # rows that stopped at this step
             out.finish_s[row] = now
+        if keep is not None and len(nxt.alive) < len(alive):
+            going = set(nxt.alive)
+            stopped = [(row, state[i]) for i, row in enumerate(alive) if row not in going]
+            for (row, _), kept in zip(stopped, keep(cache, [s for _, s in stopped], key_valid)):
+                out.kept[row] = kept
         if not nxt.alive:
             break
         if nxt.parents != list(range(logits.shape[0])):  # states split or ended: new layout

@@ -18,13 +18,14 @@ def group_index(group_ids: list[str]) -> torch.Tensor:
 
 def sequence_scores(batch: ExperienceBatch, algo: AlgorithmConfig, max_new_tokens: int) -> torch.Tensor:
     """(B,) training score: the ok reward total, or the explicit penalty for an errored
-    record (only reachable with reward_error=penalty), plus the soft overlong penalty (DAPO)."""
+    record (only reachable with reward_error=penalty), plus the soft overlong penalty (DAPO) on
+    the policy tokens (response_mask: an episode's observation tokens are not the policy's)."""
     return training_scores(batch.get("reward_records", producer=Role.REWARD),
-                           [len(s.response_ids) for s in batch.samples], algo, max_new_tokens)
+                           batch.get("response_mask").sum(-1).tolist(), algo, max_new_tokens)
 
 
 def training_scores(records, lengths: list[int], algo: AlgorithmConfig, max_new_tokens: int) -> torch.Tensor:
-    """`sequence_scores` from reward records and response lengths (also dynamic sampling's filter)."""
+    """`sequence_scores` from reward records and policy-token counts (also dynamic sampling's filter)."""
     scores = torch.tensor([r.total if r.ok else algo.reward_error_penalty for r in records],
                           dtype=torch.float32)
     if algo.overlong == "soft":
@@ -93,9 +94,11 @@ def derive(batch: ExperienceBatch, algo: AlgorithmConfig, beta: float, max_new_t
     elif name in VERL_ESTIMATORS:
         adv = verl_estimator(name, batch, seq_scores, gidx, token_rewards, mask)
     else:  # reinforce_pp_baseline
-        # KL enters through token rewards that hold only the KL part (the score gets the baseline).
-        adv = algos.reinforce_pp_baseline_advantages(scores, gidx, mask, token_rewards=-beta * kl,
-                                                     gamma=algo.gamma)
+        # KL (and multi-turn step rewards) enter as per-token rewards; only the score is baselined.
+        per_token = -beta * kl
+        if batch.has("step_rewards"):
+            per_token = per_token + batch.get("step_rewards", producer=Role.ROLLOUT)
+        adv = algos.reinforce_pp_baseline_advantages(scores, gidx, mask, token_rewards=per_token, gamma=algo.gamma)
     if algo.whiten_advantages:
         adv = algos.whiten(adv, mask)
     adv = adv.masked_fill(~mask, 0.0).float()

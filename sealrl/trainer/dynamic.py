@@ -17,6 +17,7 @@ from sealrl.experience import RewardRecord
 from sealrl.rollout.engine import RolloutSample
 from sealrl.trainer.collect import decode_and_score, generate
 from sealrl.trainer.derive import training_scores
+from sealrl.trainer.episodes import action_masks
 from sealrl.trainer.ledger import IterationLedger, new_iteration
 from sealrl.trainer.state import StageFailed
 
@@ -24,7 +25,7 @@ from sealrl.trainer.state import StageFailed
 def zero_variance(samples: list[RolloutSample], records: dict[str, RewardRecord], algo, max_new_tokens: int
                   ) -> float | None:
     """The common training score of a group whose scores are all exactly equal, else None."""
-    scores = training_scores([records[s.sample_id] for s in samples], [len(s.response_ids) for s in samples],
+    scores = training_scores([records[s.sample_id] for s in samples], [sum(m) for m in action_masks(samples)],
                              algo, max_new_tokens)
     return float(scores[0]) if bool((scores == scores[0]).all()) else None
 
@@ -55,7 +56,7 @@ def oversample(run, it: int, version, ledger: IterationLedger, groups: dict, rec
             break
         batch = [run.data.train[i] for i in sampler.next_batch()]
         extra, requests = new_iteration(it, cfg.rollout.n, cfg.rollout.max_retries, cfg.run.name, cfg.run.seed,
-                                        [(p.prompt_id, p.token_ids) for p in batch])
+                                        batch)
         prompts.update(zip(requests, batch))
         with run.stage("generate", "rollout"):
             new_groups = generate(run, extra, requests, version)

@@ -1,21 +1,15 @@
-"""The driver's side of multi-turn episodes (rollout/episodes.py plays them): the row each
-environment starts from, the episode facts of the batch, and the episode metrics. Single-turn
-samples (no episode) pass through untouched."""
+"""The driver's side of multi-turn episodes (rollout/episodes.py plays them): the episode
+facts of the batch and the episode metrics. Single-turn samples (no episode) pass through
+untouched. The row each environment starts from rides on every request, from where requests
+are made (ledger.new_iteration, remax, evaluate)."""
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 
 import torch
 
 from sealrl.experience import ExperienceBatch, Role, pad_token_rows
 from sealrl.experience.episode import EnvStatus
-from sealrl.rollout.episodes import env_input
-
-
-def with_env_inputs(requests: dict, prompt_of) -> dict:
-    """Each request carries its row (ground truth, data source) for the environment's reset."""
-    return {g: dataclasses.replace(r, env_input=env_input(prompt_of(g))) for g, r in requests.items()}
 
 
 def action_masks(samples) -> list[list[bool]]:

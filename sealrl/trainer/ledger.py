@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 from sealrl.experience import Join, RewardRecord, RewardStatus, StopReason, digest, group_id
 from sealrl.rollout.engine import GenerationRequest, RolloutSample
+from sealrl.rollout.episodes import env_input
 
 
 def request_seed(run_seed: int, iteration: int, prompt_id: str) -> int:
@@ -173,14 +174,18 @@ class IterationLedger:
 
 
 def new_iteration(iteration: int, n: int, max_retries: int, run_id: str, run_seed: int,
-                  prompts: list[tuple[str, tuple[int, ...]]]) -> tuple[IterationLedger, dict[str, GenerationRequest]]:
-    """A ledger for one iteration and its generation requests, keyed by group id."""
+                  prompts: list) -> tuple[IterationLedger, dict[str, GenerationRequest]]:
+    """A ledger for one iteration and its generation requests, keyed by group id. `prompts`:
+    dataset prompts (data.dataset.Prompt), whose requests carry the row an environment starts
+    an episode from (env_input), or bare (prompt id, token ids) pairs."""
     ledger = IterationLedger(iteration, n, max_retries)
     requests = {}
-    for prompt_id, ids in prompts:
+    for p in prompts:
+        prompt_id, ids, row = (*p, "") if isinstance(p, tuple) else (p.prompt_id, p.token_ids, env_input(p))
         g = group_id(run_id, iteration, prompt_id)
         if g in requests:
             raise ValueError(f"prompt {prompt_id!r} appears twice in iteration {iteration}")
         ledger.groups[g] = GroupEntry(iteration, g, prompt_id)
-        requests[g] = GenerationRequest(g, tuple(ids), request_seed(run_seed, iteration, prompt_id), tuple(range(n)))
+        requests[g] = GenerationRequest(g, tuple(ids), request_seed(run_seed, iteration, prompt_id), tuple(range(n)),
+                                        row)
     return ledger, requests

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from sealrl.rollout.engine import RolloutSample
 from sealrl.trainer.collect import decode_and_score, generate
 from sealrl.trainer.dynamic import oversample
-from sealrl.trainer.episodes import episode_metrics, with_env_inputs
+from sealrl.trainer.episodes import episode_metrics
 from sealrl.trainer.iteration_metrics import rollout_metrics, stage_io_metrics
 from sealrl.trainer.ledger import IterationLedger, new_iteration
 from sealrl.trainer.remax import greedy_baselines
@@ -65,9 +65,8 @@ def produce(run, it: int, indices: list[int], version) -> Produced:
     cfg, roles = run.cfg, run.roles
     prompts = [run.data.train[i] for i in indices]
     ledger, requests = new_iteration(it, cfg.rollout.n, cfg.rollout.max_retries, cfg.run.name, cfg.run.seed,
-                                     [(p.prompt_id, p.token_ids) for p in prompts])
+                                     prompts)
     prompt_map = dict(zip(requests, prompts))
-    requests = with_env_inputs(requests, prompt_map.__getitem__)   # the rows environments start from (multi-turn)
     roles.rollout.take_served()   # forget who served the evaluation's calls
     with run.stage("generate", "rollout"):
         groups = generate(run, ledger, requests, version)

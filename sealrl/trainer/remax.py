@@ -14,6 +14,7 @@ import torch
 
 from sealrl.experience import ExperienceBatch, Role, StopReason
 from sealrl.rollout.engine import GenerationRequest, RolloutSample
+from sealrl.rollout.episodes import env_input
 from sealrl.trainer.collect import reward_item
 from sealrl.trainer.ledger import IterationLedger, request_seed
 
@@ -29,7 +30,8 @@ def _greedy(run, it: int, version, kept: dict[str, list[RolloutSample]], prompts
         if not wanted:
             break
         reqs = [GenerationRequest(f"{g}/greedy", tuple(prompts[g].token_ids),
-                                  request_seed(cfg.run.seed, it, prompts[g].prompt_id), (0,)) for g in wanted]
+                                  request_seed(cfg.run.seed, it, prompts[g].prompt_id), (0,), env_input(prompts[g]))
+                for g in wanted]
         try:
             samples = run.roles.rollout.generate(reqs, contract, version)
         except Exception as e:  # noqa: BLE001 - recorded and retried; the group is dropped in the end
