@@ -177,7 +177,7 @@ def _serve(factory: bytes, threads: int, retain: int, calls: Connection, weights
     try:
         _loop(calls, lambda method, args: getattr(role, method)(*args))
     finally:
-        if getattr(role, "episodes", None) is not None:
+        if role.episodes is not None:   # its tool worker
             role.episodes.close()
     os._exit(0)   # every answer is sent: skip the interpreter's slow teardown (the loader thread, torch)
 
