@@ -3,8 +3,11 @@
 The workload is the multi-turn calculator task (examples/arith_tools.yaml: 3-digit products,
 each episode a tool call, its observation and the answer) with 2 prompts x 8 episodes per
 iteration: generation (two decoding turns of up to 24 tokens, one tool call per episode) is
-about 40% of the synchronous iteration on 2 CPU cores, the issue's bar being >= 30%
-(`lane_share_of_sync_iteration` measures it: generate + reward, the generation lane's work).
+31-37% of the synchronous iteration on 2 CPU cores, the issue's bar being >= 30%
+(`lane_share_of_sync_iteration` measures it: generate + reward, the generation lane's work;
+16 episodes per prompt gave 25%). With 16 samples per iteration a run can collapse, at any k,
+into never calling the tool (all rewards 0: no GRPO signal again); such a run's episodes are
+short, so its samples/s is not comparable (docs/benchmarks.md lists the runs).
 Each k trains the same config for the same iterations, with old log-probs recomputed by the
 actor and truncated IS behaviour -> proximal (the decoupled PPO objective at every k, so only
 the lag differs). The synchronous run (k = 0) gets the whole machine (run.threads=2); with
@@ -45,6 +48,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=2, help="data.prompts_per_iter")
     p.add_argument("--n", type=int, default=8, help="rollout.n")
     p.add_argument("--eval-num", type=int, default=200)
+    p.add_argument("--lr", type=float, default=5e-4, help="actor.lr (the example's)")
     p.add_argument("--lane", choices=["process", "thread"], default="process", help="rollout.lane for k >= 1")
     p.add_argument("--sync-threads", type=int, default=2, help="run.threads of k = 0 (the whole machine)")
     p.add_argument("--lane-threads", type=int, default=1, help="run.threads of each lane when k >= 1")
@@ -57,7 +61,7 @@ def one_run(args, k: int, out: Path) -> dict:
     threads = args.lane_threads if k else args.sync_threads
     overrides = [f"run.iterations={args.iterations}", f"run.name=async_k{k}", f"run.output_dir={out}",
                  "run.progress=false", f"run.threads={threads}", "run.eval_every=0", "run.checkpoint_every=0",
-                 "run.max_wall_s=0", f"rollout.lane={args.lane}",
+                 "run.max_wall_s=0", f"rollout.lane={args.lane}", f"actor.lr={args.lr}",
                  f"data.prompts_per_iter={args.prompts}", f"rollout.n={args.n}", f"eval.num={args.eval_num}",
                  "algorithm.old_log_prob=recompute", "algorithm.correction=token_is",
                  f"rollout.max_staleness={k}", *args.overrides]
@@ -75,6 +79,7 @@ def one_run(args, k: int, out: Path) -> dict:
             "staleness_mean": sum(ages) / len(ages), "staleness_max": max(r.get("staleness/max", 0.0) for r in rows),
             "generate_share": gen / sum(r["time/iteration_s"] for r in rows),
             "lane_share": lane / sum(r["time/iteration_s"] for r in rows),
+            "turns_last_10": sum(r.get("episode/turns_mean", 1.0) for r in rows[-10:]) / len(rows[-10:]),  # 1 = no tool
             "threads": threads, "total_s": round(total, 1), "weights_hash": summary["weights_hash"]}
 
 
