@@ -4,6 +4,7 @@ same (k = 1; and k = 0 through the lane is the synchronous run); weights reach t
 through the verified sync and load while it samples; a process that dies or hangs is a named
 error in the training lane, never a wait without end."""
 import functools
+import json
 import multiprocessing
 import os
 import threading
@@ -66,6 +67,9 @@ def test_k1_in_its_own_process_is_bitwise_the_thread_lane(tmp_path):
     assert proc["accuracy_after"] == thread["accuracy_after"]   # evaluated here, at the last published version
     report = audit_run(proc_run)
     assert report.ok, report.summary()
+    events = json.loads((proc_run / "trace.json").read_text())["traceEvents"]
+    workers = {e["args"]["worker"] for e in events if e["ph"] == "X" and e["name"] == "generate"}
+    assert len(workers) == 1 and workers.pop().endswith("(generation process)")   # not this process
 
 
 def test_k0_through_the_process_lane_is_bitwise_the_synchronous_run(tmp_path, monkeypatch):
@@ -169,6 +173,18 @@ def test_a_process_past_its_deadline_is_stopped_and_named(weights):
             proc.load(state, build_manifest(state, "r", 1, 0, "", ""))
     finally:
         proc.close()
+
+
+def test_a_role_that_cannot_be_built_there_is_raised_here_and_the_process_is_gone():
+    made = []
+
+    class Recorded(ProcessRollout):
+        def close(self):
+            made.append(self._proc)
+            super().close()
+    with pytest.raises(AttributeError):   # Rollout(None, None): the engine reads model.config
+        Recorded(functools.partial(Rollout, None, None), threads=1, timeout_s=60)
+    assert len(made) == 1 and not made[0].is_alive()
 
 
 def test_config_names_the_lane():

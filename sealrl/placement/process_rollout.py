@@ -64,7 +64,11 @@ class ProcessRollout:
         calls.close()
         weights.close()
         self.pid = self._proc.pid
-        self._answer(self._calls, "start", max(timeout_s, 120.0))   # imports torch: slow on a busy machine
+        try:
+            self._answer(self._calls, "start", max(timeout_s, 120.0))   # imports torch: slow on a busy machine
+        except BaseException:
+            self.close()
+            raise
 
     # ---- the Rollout interface ------------------------------------------------------------
     def generate(self, requests, contract, version):

@@ -30,6 +30,8 @@ class ProcessLane:
             self.proc.close()
             raise
         run.roles.rollout = self.proc
+        self.worker = run.timer.workers.get("rollout")
+        run.timer.workers["rollout"] = f"pid {self.proc.pid} (generation process)"   # named in the trace
 
     def check(self) -> None:
         """The process's failure, if it failed (its generate errors are otherwise retried as
@@ -43,6 +45,9 @@ class ProcessLane:
 
     def close(self) -> None:
         self.run.roles.rollout = self.local
+        self.run.timer.workers.pop("rollout")
+        if self.worker is not None:
+            self.run.timer.workers["rollout"] = self.worker
         last = self.proc.last_loaded()
         failed = self.proc.failed
         self.proc.close()
