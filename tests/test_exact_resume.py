@@ -33,8 +33,10 @@ def _extra(k: int) -> tuple[str, ...]:
             "algorithm.name=reinforce_pp")
 
 
-# variant -> (k, its overrides); with LoRA the retained versions are adapters on the pinned base
-VARIANTS = {"k1": (1, _extra(1)), "k2": (2, _extra(2)), "k1_lora": (1, _extra(1) + ("actor.lora.rank=4",))}
+# variant -> (k, its overrides); with LoRA the retained versions are adapters on the pinned base;
+# with the process lane the resumed run loads them into the generation process
+VARIANTS = {"k1": (1, _extra(1)), "k2": (2, _extra(2)), "k1_lora": (1, _extra(1) + ("actor.lora.rank=4",)),
+            "k1_process": (1, _extra(1) + ("rollout.lane=process",))}
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +95,8 @@ def _consumed(run: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("variant, stage", [("k1", s) for s in STAGES] + [("k2", "update"), ("k2", "generate"),
-                                                                           ("k1_lora", "update")])
+                                                                           ("k1_lora", "update"),
+                                                                           ("k1_process", "update")])
 def test_killed_at_each_stage_resumes_to_the_uninterrupted_weights(whole, tmp_path, monkeypatch, variant, stage):
     k, extra = VARIANTS[variant]
     module, name, wrap = STAGES[stage]

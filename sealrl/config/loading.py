@@ -132,6 +132,9 @@ def check_config(cfg: Config) -> None:
     if cfg.rollout.max_staleness and cfg.placement.backend != "local":
         raise ConfigError("rollout.max_staleness > 0 needs placement.backend=local (the rollout retains the "
                           "versions generation may still use; a Ray replica pool does not yet)", "placement.backend")
+    if cfg.rollout.lane == "process" and (cfg.actor.lora.rank or cfg.critic.lora.rank):   # placement/process_rollout.py
+        raise ConfigError("rollout.lane=process with LoRA is not built yet (the process would need the pinned base)",
+                          "rollout.lane")
 
 
 def _yaml_error(path: str, e: yaml.YAMLError) -> ConfigError:

@@ -130,6 +130,7 @@ class RolloutConfig:
     dtype: str = "fp32"                    # fp32 | bf16: the weights the actor exports to the rollout (checksummed)
     max_staleness: int = 0                 # publications generation may lag the actor (0 = synchronous)
     device: str = "auto"                   # auto | cpu | cuda: where the rollout samples (auto: cuda when available)
+    lane: str = resumable("thread")        # k >= 1: generation in a thread | process (its own; docs/async.md)
 
     def __post_init__(self):
         _check(self.n >= 1, "rollout.n", ">= 1", self.n)
@@ -140,6 +141,7 @@ class RolloutConfig:
         _check(self.dtype in ("fp32", "bf16"), "rollout.dtype", "fp32 | bf16", self.dtype)
         _check(self.device in DEVICES, "rollout.device", " | ".join(DEVICES), self.device)
         _check(self.max_staleness >= 0, "rollout.max_staleness", ">= 0 (0 = synchronous)", self.max_staleness)
+        _check(self.lane in ("thread", "process"), "rollout.lane", "thread or process", self.lane)
 
 
 @dataclass(kw_only=True, slots=True)

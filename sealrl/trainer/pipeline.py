@@ -155,13 +155,16 @@ class Pipeline:
         self._positions: dict[int, dict] = {}   # iteration -> sampler state before its prompts
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, self.bound))
         self._stop = False
-        self._thread = None
+        self._thread = self._process = None
         for it, (version, weights) in sorted(self.recalled.items()):   # the lag continues across a resume
             self.publish(it, version, weights)
         self.publish(self.start, self.first_version, self.run.last_weights)
         self.origin = min(self.versions)   # the first iteration whose consuming version is known
         if self.threaded:
             self.run.roles.rollout.retain(self.bound + 1)
+            if self.run.cfg.rollout.lane == "process":   # generation in its own process: process_lane.py
+                from sealrl.trainer.process_lane import ProcessLane
+                self._process = ProcessLane(self.run, self.first_version, self.bound + 1, self.recalled)
             self._thread = threading.Thread(target=self._lane, name="sealrl-generation", daemon=True)
             self._thread.start()
 
@@ -229,12 +232,14 @@ class Pipeline:
                 with self._rollout_lock:
                     lane.timer.start_iteration(it)
                     p = produce(lane, it, self._prompts(it), version)
+                    if self._process is not None:
+                        self._process.check()
                 p.timer, lane.timer = lane.timer, self.run.timer.lane()
                 self._put(p)
         except _Stopped:
             return
         except BaseException as e:  # noqa: BLE001 - re-raised in the training lane by get()
-            self._put(e, force=True)
+            self._put(e if self._process is None else self._process.failure(e), force=True)
 
     def _wait_version(self, it: int):
         with self._cond:
@@ -262,6 +267,8 @@ class Pipeline:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join()
+        if self._process is not None:
+            self._process.close()
 
 
 @contextmanager

@@ -50,7 +50,7 @@ def recall(run, resumed: dict) -> dict:
         part = lane["weights"].get(version.id)
         if part is not None and version.id not in held:
             weights = load_file(str(folder / f"{part}.safetensors"))   # its sha256 checked with the marker
-            manifest = _manifest(run, weights, version)
+            manifest = version_manifest(run, weights, version)
             if manifest.version != version:
                 raise CheckpointError(f"{folder}: part {part} does not hold the weights of {version.id} "
                                       f"(they digest to {manifest.version.weights_hash[:12]})")
@@ -61,7 +61,7 @@ def recall(run, resumed: dict) -> dict:
     return out
 
 
-def _manifest(run, weights: dict, v: PolicyVersion):
+def version_manifest(run, weights: dict, v: PolicyVersion):
     """The manifest of `weights` stamped like version `v` (full weights, or a LoRA adapter on
     the actor's base): its version equals `v` only when the weights are v's."""
     if run.cfg.actor.lora.rank:

@@ -161,6 +161,7 @@ class Roles:
     tokenizer: object
 
     closers: list = field(default_factory=list)   # placement resources, closed last
+    rollout_factory: object = None   # local placement: builds the rollout role anew (rollout.lane=process)
 
     def workers(self) -> dict[str, str]:
         """Who does each role's stages, for the trace and failure messages: this process
@@ -231,7 +232,8 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
         if cfg.placement.critic_ranks > 1:
             critic = data_parallel_role(cfg, "critic", make_critic, critic, closers)
     reward = Reward(build_reward_fn(cfg), cfg.reward.num_scorers, cfg.reward.timeout_s)
-    return Roles(actor, rollout, reward, reference, critic, tokenizer, closers)
+    return Roles(actor, rollout, reward, reference, critic, tokenizer, closers,
+                 functools.partial(Rollout, template, tokenizer, episodes=episodes))
 
 
 def shared_pool(cfg: Config, closers: list):

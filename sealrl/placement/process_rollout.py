@@ -1,0 +1,212 @@
+"""The rollout role in its own process, behind the Rollout interface the driver uses
+(`version`, `backend`, `load`, `generate`, `retain`): the generation lane of an asynchronous
+run (rollout.lane=process, trainer/pipeline.py) samples there while the actor trains here, each
+process with its own torch threads and its own GIL.
+
+Two pipes, one per direction of work, so neither waits on the other:
+
+- calls: generate (and retain). The caller's thread waits for the answer; the child's main
+  thread serves them one after another.
+- weights: load(state, manifest). The child's loader thread stages the state, verifies every
+  checksum of the manifest (the two-phase sync of sealrl/sync: a corrupted tensor raises
+  WeightSyncError naming it and activates nothing), then switches the active version. It runs
+  while a generate call is in flight: that call keeps the version it was asked for (the engine
+  retains the last `retain` versions), so a publication never waits for a generation to end
+  and a generation never waits for a whole transfer (double buffering: the retained version
+  samples while the next one loads).
+
+The state crosses as torch.save bytes (a copy: nothing of the actor's memory is shared), the
+factory that builds the role as plain-pickle bytes. `version` and `backend` are the child's
+answers to the last load, kept here, so asking them never queues behind a generation.
+
+Every wait polls the child: if it exits, or misses `timeout_s`, the call raises
+GenerationProcessError naming the process, its exit code and the call; every later call
+raises the same error (`failed`). A role's own exception (a bad request, WeightSyncError)
+comes back as itself (or its RemoteCallError form) and the process serves on.
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import threading
+import time
+from multiprocessing.connection import Connection
+
+import torch
+import torch.multiprocessing as mp
+
+from sealrl.experience import PolicyVersion
+from sealrl.placement.workers import RemoteCallError
+
+
+class GenerationProcessError(RuntimeError):
+    """The generation process is gone or stuck: it exited, failed to start, or missed its deadline."""
+
+
+class ProcessRollout:
+    """A rollout role built by `factory` (picklable: e.g. functools.partial(Rollout, model,
+    tokenizer)) in a spawned process that runs `threads` torch threads and serves `retain` versions."""
+
+    def __init__(self, factory, threads: int, retain: int = 1, timeout_s: float = 300.0) -> None:
+        self.timeout_s = timeout_s
+        self.failed: GenerationProcessError | None = None
+        self.version: PolicyVersion | None = None
+        self.backend: tuple[str, str] = ("none", "none")
+        self._last: tuple[bytes, object] | None = None   # the last loaded state (bytes) and manifest
+        self._call_lock, self._load_lock = threading.Lock(), threading.Lock()
+        ctx = mp.get_context("spawn")
+        self._calls, calls = ctx.Pipe()
+        self._weights, weights = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, name="sealrl-generation", daemon=False,
+                                 args=(pickle.dumps(factory), threads, retain, calls, weights))
+        self._proc.start()
+        calls.close()
+        weights.close()
+        self.pid = self._proc.pid
+        try:
+            self._answer(self._calls, "start", max(timeout_s, 120.0))   # imports torch: slow on a busy machine
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- the Rollout interface ------------------------------------------------------------
+    def generate(self, requests, contract, version):
+        return self._call("generate", requests, contract, version)
+
+    def retain(self, versions: int) -> None:
+        self._call("retain", versions)
+
+    def load(self, state, manifest) -> PolicyVersion:
+        """Stage, verify and activate in the child (which may be generating meanwhile)."""
+        buf = io.BytesIO()
+        torch.save(dict(state), buf)
+        data = buf.getvalue()
+        with self._load_lock:
+            self._alive("load")
+            self._send(self._weights, "load", data, manifest)
+            self.version, self.backend = self._answer(self._weights, f"load {manifest.version}")
+        self._last = (data, manifest)
+        return self.version
+
+    def last_loaded(self) -> tuple[dict, object] | None:
+        """The last state and manifest loaded (to bring another rollout to the same version)."""
+        if self._last is None:
+            return None
+        return torch.load(io.BytesIO(self._last[0]), weights_only=True), self._last[1]
+
+    def take_served(self) -> list[dict]:
+        return []
+
+    def take_recoveries(self) -> list[float]:
+        return []
+
+    def close(self) -> None:
+        """Stop the process (a polite stop, then terminate, then kill)."""
+        for conn in (self._calls, self._weights):
+            try:
+                conn.send(None)
+            except (OSError, ValueError):
+                pass
+        self._proc.join(timeout=5)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(timeout=5)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+        for conn in (self._calls, self._weights):
+            conn.close()
+
+    # ---- waits with a deadline -------------------------------------------------------------
+    def _call(self, method: str, *args):
+        with self._call_lock:
+            self._alive(method)
+            self._send(self._calls, method, *args)
+            return self._answer(self._calls, method)
+
+    def _alive(self, what: str) -> None:
+        if self.failed is not None:
+            raise self.failed
+        if not self._proc.is_alive():
+            self._fail(f"exited with code {self._proc.exitcode} before {what}")
+
+    def _send(self, conn: Connection, method: str, *args) -> None:
+        try:
+            conn.send((method, args))
+        except (OSError, ValueError) as e:
+            self._fail(f"cannot be reached for {method} ({type(e).__name__}: {e})")
+
+    def _answer(self, conn: Connection, what: str, timeout_s: float | None = None):
+        timeout_s = timeout_s or self.timeout_s
+        deadline = time.monotonic() + timeout_s
+        while not conn.poll(0.1):
+            if not self._proc.is_alive():
+                self._proc.join()
+                self._fail(f"exited with code {self._proc.exitcode} during {what}")
+            if time.monotonic() > deadline:
+                self._proc.kill()
+                self._proc.join()
+                self._fail(f"missed the deadline of {timeout_s:g} s (placement.timeout_s) during {what}; "
+                           "it was stopped")
+        try:
+            status, value = conn.recv()
+        except (EOFError, OSError):
+            self._proc.join(timeout=5)
+            self._fail(f"exited with code {self._proc.exitcode} during {what}")
+        if status == "error":
+            raise value
+        return value
+
+    def _fail(self, reason: str):
+        self.failed = GenerationProcessError(f"generation process (pid {self.pid}) {reason}")
+        raise self.failed
+
+
+# ---- the child ----------------------------------------------------------------------------
+
+def _serve(factory: bytes, threads: int, retain: int, calls: Connection, weights: Connection) -> None:
+    """The generation process: build the role, answer `start`, load weights on a thread,
+    serve calls until told to stop or the parent's end closes. Episode tool workers are closed."""
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True, warn_only=True)   # as the driver's process
+    try:
+        role = pickle.loads(factory)()
+        role.retain(retain)
+    except Exception as e:  # noqa: BLE001 - sent to the parent, which raises it
+        calls.send(("error", RemoteCallError.portable(e)))
+        return
+    calls.send(("ok", os.getpid()))
+    threading.Thread(target=_load_loop, args=(role, weights), name="sealrl-weights", daemon=True).start()
+    try:
+        _loop(calls, lambda method, args: getattr(role, method)(*args))
+    finally:
+        if role.episodes is not None:   # its tool worker
+            role.episodes.close()
+    os._exit(0)   # every answer is sent: skip the interpreter's slow teardown (the loader thread, torch)
+
+
+def _load_loop(role, weights: Connection) -> None:
+    def load(_, args):
+        data, manifest = args
+        version = role.load(torch.load(io.BytesIO(data), weights_only=True), manifest)
+        return version, role.backend
+    _loop(weights, load)
+
+
+def _loop(conn: Connection, handle) -> None:
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        try:
+            out = ("ok", handle(*msg))
+        except Exception as e:  # noqa: BLE001 - the role's own error, raised in the parent
+            out = ("error", RemoteCallError.portable(e))
+        try:
+            conn.send(out)
+        except (OSError, ValueError):
+            return

@@ -1,0 +1,194 @@
+"""rollout.lane=process: generation in its own process (placement/process_rollout.py,
+trainer/process_lane.py). The fixed-lag schedule is the thread lane's, so a run is bitwise the
+same (k = 1; and k = 0 through the lane is the synchronous run); weights reach the process
+through the verified sync and load while it samples; a process that dies or hangs is a named
+error in the training lane, never a wait without end."""
+import functools
+import json
+import multiprocessing
+import os
+import threading
+import time
+
+import pytest
+
+from sealrl.audit import audit_run
+from sealrl.config import ConfigError, build_config, check_config
+from sealrl.experience import SamplingContract
+from sealrl.placement.process_rollout import GenerationProcessError, ProcessRollout
+from sealrl.roles.rollout import Rollout
+from sealrl.rollout.engine import GenerationRequest
+from sealrl.sync.manifest import WeightSyncError, build_manifest
+from sealrl.trainer import driver as driver_module
+from sealrl.trainer import pipeline as pipeline_module
+from sealrl.trainer import setup as trainer_setup
+from tests.test_pipeline import _closing, _files, _numbers, _train
+
+ASYNC = ["algorithm.old_log_prob=recompute", "algorithm.correction=token_is"]
+
+
+class SlowRollout(Rollout):
+    """Sleeps before each generate call, in the generation process only (evaluation here is fast)."""
+
+    def __init__(self, *args, delay: float = 0.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.delay = delay
+
+    def set_delay(self, delay: float) -> None:
+        self.delay = delay
+
+    def generate(self, *args, **kwargs):
+        if multiprocessing.parent_process() is not None:
+            time.sleep(self.delay)
+        return super().generate(*args, **kwargs)
+
+
+class DyingRollout(Rollout):
+    """In the generation process, exits with code 7 at its SEALRL_TEST_DIE_AT-th generate call."""
+    calls = 0
+
+    def generate(self, *args, **kwargs):
+        if multiprocessing.parent_process() is not None:
+            DyingRollout.calls += 1
+            if DyingRollout.calls == int(os.environ["SEALRL_TEST_DIE_AT"]):
+                os._exit(7)
+        return super().generate(*args, **kwargs)
+
+
+# ---- bitwise the thread lane ----------------------------------------------------------------
+
+def test_k1_in_its_own_process_is_bitwise_the_thread_lane(tmp_path):
+    thread, thread_run = _train(tmp_path / "thread", "k1", "rollout.max_staleness=1", *ASYNC)
+    proc, proc_run = _train(tmp_path / "process", "k1", "rollout.max_staleness=1", "rollout.lane=process", *ASYNC)
+    assert proc["weights_hash"] == thread["weights_hash"]
+    assert proc["optimizer_steps"] == thread["optimizer_steps"] == 4
+    assert _files(proc_run) == _files(thread_run)          # the same sealed experience, iteration by iteration
+    assert _numbers(proc_run) == _numbers(thread_run)
+    assert proc["accuracy_after"] == thread["accuracy_after"]   # evaluated here, at the last published version
+    report = audit_run(proc_run)
+    assert report.ok, report.summary()
+    events = json.loads((proc_run / "trace.json").read_text())["traceEvents"]
+    workers = {e["args"]["worker"] for e in events if e["ph"] == "X" and e["name"] == "generate"}
+    assert len(workers) == 1 and workers.pop().endswith("(generation process)")   # not this process
+
+
+def test_k0_through_the_process_lane_is_bitwise_the_synchronous_run(tmp_path, monkeypatch):
+    sync, sync_run = _train(tmp_path / "sync", "k0")
+
+    def threaded(run, start, end, version):
+        return _closing(pipeline_module.Pipeline(run, start, end, version, threaded=True))
+    monkeypatch.setattr(driver_module, "pipeline", threaded)
+    proc, proc_run = _train(tmp_path / "proc", "k0", "rollout.lane=process")
+    assert proc["weights_hash"] == sync["weights_hash"]
+    assert _files(proc_run) == _files(sync_run)
+    assert _numbers(proc_run) == _numbers(sync_run)
+
+
+# ---- failures are named ---------------------------------------------------------------------
+
+def test_a_generation_process_that_dies_is_a_named_error_in_the_training_lane(tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer_setup, "Rollout", DyingRollout)
+    monkeypatch.setenv("SEALRL_TEST_DIE_AT", "3")   # iterations 0 and 1 generate, iteration 2 kills it
+    t0 = time.perf_counter()
+    with pytest.raises(GenerationProcessError, match=r"generation process \(pid \d+\) exited with code 7 "
+                                                     r"during generate"):
+        _train(tmp_path, "dies", "rollout.max_staleness=1", "rollout.lane=process", "run.iterations=6", *ASYNC)
+    assert time.perf_counter() - t0 < 120   # raised, not waited on
+    ledger = (tmp_path / "dies" / "ledger.jsonl").read_text()
+    assert '"iteration": 1' in ledger and '"iteration": 2' not in ledger   # nothing of the iteration it died in
+
+
+@pytest.fixture(scope="module")
+def weights(tiny_model_dir):
+    from sealrl.models.hf import load_causal_lm
+    model, tok = load_causal_lm(tiny_model_dir)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return model, tok, state
+
+
+REQ = [GenerationRequest("r/0/p", (1, 2, 3), 7, (0, 1))]
+CONTRACT = SamplingContract(max_new_tokens=3)
+
+
+@pytest.fixture(scope="module")
+def proc(weights):
+    model, tok, _ = weights
+    p = ProcessRollout(functools.partial(SlowRollout, model, tok), threads=1, retain=2, timeout_s=60)
+    yield p
+    p.close()
+
+
+def test_the_process_verifies_every_checksum_and_activates_nothing_on_a_bad_tensor(weights, proc):
+    model, tok, state = weights
+    here = Rollout(model, tok)
+    v0 = proc.load(state, build_manifest(state, "r", 0, 0, "", ""))
+    assert proc.generate(REQ, CONTRACT, v0) == here.generate(REQ, CONTRACT, here.load(state, build_manifest(
+        state, "r", 0, 0, "", "")))   # the same samples as in this process, bit for bit
+    name = next(iter(state))
+    bad = dict(state, **{name: state[name] + 1})
+    with pytest.raises(WeightSyncError) as e:
+        proc.load(bad, build_manifest(state, "r", 1, 0, "", ""))   # the manifest of the true weights
+    assert e.value.tensor == name
+    assert proc.version == v0 and proc.failed is None   # still serving v0
+    assert len(proc.generate(REQ, CONTRACT, v0)) == 2
+
+
+def test_a_publication_loads_while_the_process_samples_with_the_retained_version(weights, proc):
+    """Double buffering: the load of v1 returns while a generate call from v0 is still running
+    in the process, and that call's samples are v0's."""
+    model, tok, state = weights
+    proc.retain(2)
+    proc._call("set_delay", 3.0)
+    try:
+        v0 = proc.load(state, build_manifest(state, "r", 0, 0, "", ""))
+        out, done = {}, {}
+
+        def sample():
+            out["samples"] = proc.generate(REQ, CONTRACT, v0)
+            done["at"] = time.perf_counter()
+        lane = threading.Thread(target=sample)
+        lane.start()
+        time.sleep(0.5)
+        newer = {k: v + 0.01 for k, v in state.items()}
+        v1 = proc.load(newer, build_manifest(newer, "r", 1, 0, "", ""))
+        loaded = time.perf_counter()
+        lane.join()
+        assert loaded < done["at"]                       # the transfer never waited for the generation
+        assert proc.version == v1
+        assert {s.policy_version for s in out["samples"]} == {v0}
+    finally:
+        proc._call("set_delay", 0.0)
+
+
+def test_a_process_past_its_deadline_is_stopped_and_named(weights):
+    model, tok, state = weights
+    proc = ProcessRollout(functools.partial(SlowRollout, model, tok, delay=30.0), threads=1, timeout_s=10)
+    try:
+        v0 = proc.load(state, build_manifest(state, "r", 0, 0, "", ""))
+        t0 = time.perf_counter()
+        with pytest.raises(GenerationProcessError, match=r"missed the deadline of 10 s .* during generate"):
+            proc.generate(REQ, CONTRACT, v0)
+        assert time.perf_counter() - t0 < 25
+        with pytest.raises(GenerationProcessError, match="missed the deadline"):   # and every later call
+            proc.load(state, build_manifest(state, "r", 1, 0, "", ""))
+    finally:
+        proc.close()
+
+
+def test_a_role_that_cannot_be_built_there_is_raised_here_and_the_process_is_gone():
+    made = []
+
+    class Recorded(ProcessRollout):
+        def close(self):
+            made.append(self._proc)
+            super().close()
+    with pytest.raises(AttributeError):   # Rollout(None, None): the engine reads model.config
+        Recorded(functools.partial(Rollout, None, None), threads=1, timeout_s=60)
+    assert len(made) == 1 and not made[0].is_alive()
+
+
+def test_config_names_the_lane():
+    with pytest.raises(ConfigError, match="rollout.lane"):
+        build_config(None, ["rollout.lane=ray"])
+    with pytest.raises(ConfigError, match="rollout.lane=process with LoRA"):
+        check_config(build_config(None, ["rollout.lane=process", "actor.lora.rank=4"]))
