@@ -3,6 +3,7 @@ them equals the update without, through the actor's own code (Actor.compute_old_
 fused forward, Actor.update with KL in the loss)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sealrl.experience import Role
@@ -21,13 +22,14 @@ def update_with(*overrides: str) -> tuple[dict, dict, torch.Tensor]:
     return metrics, weights(actor), old
 
 
-def test_kept_chunk_logits_update_bit_for_bit(monkeypatch):
+@pytest.mark.parametrize("layout", [(), ("actor.pack_sequences=true",)])
+def test_kept_chunk_logits_update_bit_for_bit(monkeypatch, layout):
     calls = []
     logits = chunked._logits
     monkeypatch.setattr(chunked, "_logits", lambda *a: calls.append(1) or logits(*a))
-    m0, w0, old0 = update_with()
+    m0, w0, old0 = update_with(*layout)
     recomputed, calls[:] = len(calls), []
-    m1, w1, old1 = update_with("actor.logit_chunk_keep=true")
+    m1, w1, old1 = update_with("actor.logit_chunk_keep=true", *layout)
     # 8 samples, 32 response tokens, chunks of 5: 7 head matmuls forward, 7 again in the backward
     assert (recomputed, len(calls)) == (14, 7)
     assert torch.equal(old0, old1)
