@@ -29,7 +29,9 @@ responses run to --max-new-tokens (64); `smollm2` the converted SmolLM2-135M-Ins
 (--model-path, default models/smollm2-135m-instruct; skipped with a reason when absent) with
 its own tokenizer and chat template, 4 prompts x 8 unless --prompts says otherwise. On mid and
 smollm2 sealrl applies the LM head 1024 tokens at a time (actor.logit_chunk_tokens=1024, the
-memory-lean log-prob path); --sealrl-set adds any other sealrl overrides (e.g. actor.dtype=bf16).
+memory-lean log-prob path), on mid keeping the chunks' logits for the update's backward
+(actor.logit_chunk_keep=true: one LM-head matmul less, 512 MiB more); --sealrl-set adds any
+other sealrl overrides (e.g. actor.dtype=bf16).
 
 Useful model FLOPs per step (N = number of model parameters, P_i / R_i = prompt / response
 tokens of sample i, T = sum_i (P_i + R_i)):
@@ -75,7 +77,7 @@ from sealrl.data.tasks import EMBEDDED_TASK  # noqa: E402
 from sealrl.rewards.verifiers import answer_text  # noqa: E402
 
 PROMPTS, N_GEN, BETA, LR, NUM_TRAIN, SEED = 16, 8, 0.04, 1e-4, 2000, 0   # PROMPTS: set from --prompts/--shape
-SHAPE_SETS = {"tiny": [], "mid": ["actor.logit_chunk_tokens=1024"],
+SHAPE_SETS = {"tiny": [], "mid": ["actor.logit_chunk_tokens=1024", "actor.logit_chunk_keep=true"],
               "smollm2": ["actor.logit_chunk_tokens=1024", "data.max_prompt_tokens=256"]}
 
 

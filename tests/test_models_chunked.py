@@ -115,3 +115,37 @@ def test_a_head_that_is_not_a_plain_matmul_is_refused():
     model.config.final_logit_softcapping = 30.0
     with pytest.raises(ValueError, match="soft-capping"):
         output_weight(model)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_kept_logits_give_the_recomputed_backward_bit_for_bit(temperature, entropy_grad):
+    """keep_logits (actor.logit_chunk_keep) saves one matmul, not one bit: same values and
+    gradients as the recomputing backward, and both equal the naive formulas."""
+    hidden, weight, tokens, g_lp, g_ent = _inputs(3)
+    lp_ref, ent_ref = naive(hidden, weight, tokens, temperature)
+    loss_ref = (lp_ref * g_lp + (ent_ref * g_ent if entropy_grad else 0)).sum()
+    grads_ref = torch.autograd.grad(loss_ref, (hidden, weight))
+    grads = []
+    for keep in (False, True):
+        lp, ent = chunked_log_probs(hidden, weight, tokens, temperature, 4, with_entropy=True, keep_logits=keep)
+        loss = (lp * g_lp + (ent * g_ent if entropy_grad else 0)).sum()
+        grads.append(torch.autograd.grad(loss, (hidden, weight)))
+    for a, b, ref in zip(*grads, grads_ref):
+        assert torch.equal(a, b)
+        assert (a - ref).abs().max() <= 1e-5 * max(1.0, float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_loss_of_one_output_only(keep):
+    """Only the entropy (log-probs unused: their gradient is None) or only the log-probs (the
+    entropy's is None, its terms skipped): the naive gradients either way."""
+    hidden, weight, tokens, g_lp, g_ent = _inputs(5)
+    lp_ref, ent_ref = naive(hidden, weight, tokens, 0.8)
+    for pick in (0, 1):
+        ref = torch.autograd.grad(((lp_ref * g_lp) if pick == 0 else (ent_ref * g_ent)).sum(), (hidden, weight),
+                                  retain_graph=True)
+        lp, ent = chunked_log_probs(hidden, weight, tokens, 0.8, 5, with_entropy=True, keep_logits=keep)
+        got = torch.autograd.grad(((lp * g_lp) if pick == 0 else (ent * g_ent)).sum(), (hidden, weight))
+        for a, b in zip(got, ref):
+            assert (a - b).abs().max() <= 1e-5 * max(1.0, float(b.abs().max()))

@@ -232,6 +232,7 @@ class ActorConfig:
     max_tokens_per_micro_batch: int = 0    # token budget per micro-batch, balanced (0 = by count); models/packing.py
     pack_sequences: bool = False           # packed rows: no padding, attention within each sequence only
     logit_chunk_tokens: int = 0            # LM head + log-softmax this many tokens at a time (0 = all at once)
+    logit_chunk_keep: bool = False         # chunked head: keep its fp32 logits for the backward (no recompute)
     gradient_checkpointing: bool = False   # recompute layer activations in the backward (less memory)
     dtype: str = "fp32"                    # fp32 | bf16: autocast compute, fp32 master weights + AdamW; bf16 reference
     device: str = "auto"                   # auto | cpu | cuda: the actor's model and passes (auto: cuda when available)

@@ -112,15 +112,17 @@ def partition_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
 
 
 def _flat_log_probs(model, hidden_or_logits: Tensor, tokens: Tensor, temperature: float, chunk: int,
-                    with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+                    with_entropy: bool, keep_logits: bool = False) -> tuple[Tensor, Tensor | None]:
     if chunk:
-        return chunked_log_probs(hidden_or_logits, output_weight(model), tokens, temperature, chunk, with_entropy)
+        return chunked_log_probs(hidden_or_logits, output_weight(model), tokens, temperature, chunk, with_entropy,
+                                 keep_logits)
     lp = token_log_probs(hidden_or_logits, tokens, temperature)
     return lp, token_entropy(hidden_or_logits, temperature) if with_entropy else None
 
 
 def packed_log_probs(model, prompts: list[list[int]], responses: list[list[int]], temperature: float = 1.0,
-                     with_entropy: bool = False, chunk: int = 0) -> tuple[Tensor, Tensor | None, Tensor]:
+                     with_entropy: bool = False, chunk: int = 0,
+                     keep_logits: bool = False) -> tuple[Tensor, Tensor | None, Tensor]:
     """Same contract and numbers as logprobs.response_log_probs, computed on one packed row;
     `chunk` > 0 applies the LM head `chunk` tokens at a time (models/chunked.py)."""
     device = next(model.parameters()).device
@@ -130,7 +132,7 @@ def packed_log_probs(model, prompts: list[list[int]], responses: list[list[int]]
     if chunk:
         hidden = model.get_decoder()(input_ids=packed.input_ids, position_ids=packed.position_ids,
                                      use_cache=False).last_hidden_state[0, index]  # (M, H)
-        flat_lp, flat_ent = _flat_log_probs(model, hidden, targets, temperature, chunk, with_entropy)
+        flat_lp, flat_ent = _flat_log_probs(model, hidden, targets, temperature, chunk, with_entropy, keep_logits)
     else:  # logits_to_keep as an index tensor: the LM head runs on the M predicting positions only
         logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
                        logits_to_keep=index).logits[0]  # (M, V)
@@ -141,7 +143,8 @@ def packed_log_probs(model, prompts: list[list[int]], responses: list[list[int]]
 
 
 def padded_chunked_log_probs(model, prompts: list[list[int]], responses: list[list[int]], temperature: float,
-                             pad_id: int, with_entropy: bool, chunk: int) -> tuple[Tensor, Tensor | None, Tensor]:
+                             pad_id: int, with_entropy: bool, chunk: int,
+                             keep_logits: bool = False) -> tuple[Tensor, Tensor | None, Tensor]:
     """response_log_probs on the padded layout, the LM head applied `chunk` tokens at a time."""
     device = next(model.parameters()).device
     batch = pad_batch(prompts, responses, pad_id, device)
@@ -149,7 +152,7 @@ def padded_chunked_log_probs(model, prompts: list[list[int]], responses: list[li
                                  position_ids=batch.position_ids, use_cache=False).last_hidden_state
     keep = batch.response_mask.bool()
     flat_lp, flat_ent = _flat_log_probs(model, response_window(hidden, batch)[keep], batch.response_ids[keep],
-                                        temperature, chunk, with_entropy)
+                                        temperature, chunk, with_entropy, keep_logits)
     lp = torch.zeros(keep.shape, dtype=flat_lp.dtype, device=device).masked_scatter(keep, flat_lp)
     ent = torch.zeros_like(lp).masked_scatter(keep, flat_ent) if with_entropy else None
     return lp, ent, batch.response_mask
@@ -177,6 +180,7 @@ class TeacherForcing:
     max_tokens: int = 0          # token budget per micro-batch, balanced parts (0 = by count)
     pack: bool = False           # packed rows instead of padded batches
     chunk: int = 0               # LM-head chunk in tokens (0 = full logits)
+    keep_logits: bool = False    # chunked: keep the fp32 logits for the backward (no recompute)
 
     def micro_batches(self, lengths: list[int]) -> list[list[int]]:
         """Indices into `lengths` (prompt + response tokens per sample), one list per micro-batch."""
@@ -189,10 +193,11 @@ class TeacherForcing:
                   pad_id: int, with_entropy: bool = False) -> tuple[Tensor, Tensor | None, Tensor]:
         """(log_probs (B,R), entropy (B,R) or None, response_mask (B,R)), 0 past each response."""
         if self.pack:
-            return packed_log_probs(model, prompts, responses, temperature, with_entropy, self.chunk)
+            return packed_log_probs(model, prompts, responses, temperature, with_entropy, self.chunk,
+                                    self.keep_logits)
         if self.chunk:
             return padded_chunked_log_probs(model, prompts, responses, temperature, pad_id, with_entropy,
-                                            self.chunk)
+                                            self.chunk, self.keep_logits)
         return response_log_probs(model, prompts, responses, temperature=temperature, pad_id=pad_id,
                                   with_entropy=with_entropy)
 

@@ -1,0 +1,155 @@
+"""Per-pass times of sealrl's teacher-forced passes at the `mid` shape, on the vs_trl --shape mid
+batch (16 prompts x 8, 64-token responses, prompts of 5-7 tokens): the fused old-log-prob forward
+with gradients (`Actor.compute_old_log_probs`), the update (backward + AdamW; `Actor.update`), and
+the reference pass (`Reference.compute`), through the roles' own code. Variants (lists of actor
+config overrides) run in one process, alternating, so machine load drifts over all alike; each
+pass's FLOP utilisation is given against a matmul throughput measured in the same process.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/train_passes.py --threads 1 --repeats 3 \
+        --variant base: --variant lean:actor.lean_forward=true
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+from sealrl.config import build_config  # noqa: E402
+from sealrl.experience import (  # noqa: E402
+    ExperienceBatch,
+    PolicyVersion,
+    Role,
+    SampleMeta,
+    SamplingContract,
+    StopReason,
+    group_id,
+    pad_token_rows,
+    sample_id,
+)
+from sealrl.models.synthetic import build_mid  # noqa: E402
+from sealrl.roles import common  # noqa: E402
+from sealrl.roles.actor import Actor  # noqa: E402
+from sealrl.roles.reference import Reference  # noqa: E402
+
+V0 = PolicyVersion("run", 0, 0, "w0", "t0", "c0")
+
+
+def make_batch(prompts: int, n: int, response: int, vocab: int, seed: int = 0) -> ExperienceBatch:
+    gen = torch.Generator().manual_seed(seed)
+    metas = []
+    for k in range(prompts):
+        g = group_id("run", 0, f"p{k}")
+        prompt = tuple(torch.randint(3, vocab, (5 + k % 3,), generator=gen).tolist())
+        for c in range(n):
+            resp = tuple(torch.randint(3, vocab, (response,), generator=gen).tolist())
+            metas.append(SampleMeta(sample_id(g, c), g, f"p{k}", prompt, resp, StopReason.LENGTH, V0.id, seed=c))
+    batch = ExperienceBatch("run", 0, metas, SamplingContract(max_new_tokens=response, n=n), [V0])
+    w = batch.num_response_tokens
+    mask = pad_token_rows([[1] * len(m.response_ids) for m in metas], w, torch.bool)
+    batch.put("response_mask", mask, Role.ROLLOUT, V0.id)
+    adv = torch.randn(len(metas), 1, generator=gen).expand(-1, w).contiguous()
+    batch.put("advantages", adv, Role.DRIVER, "test")
+    return batch
+
+
+def matmul_gflops(repeats: int = 15) -> float:
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    times = []
+    for _ in range(repeats + 2):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - t0)
+    return 2 * 1024 ** 3 / statistics.median(times[2:]) / 1e9
+
+
+def timed(out: dict, key: str, fn):
+    """Run fn; wall time under `key`, this process's CPU time under `key`_cpu (on a machine shared
+    with other processes the CPU time is the steadier figure: it leaves out time-slicing)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    result = fn()
+    out[key], out[key + "_cpu"] = time.perf_counter() - t0, time.process_time() - c0
+    return result
+
+
+def matmul_cpu_gflops(repeats: int = 15) -> float:
+    """matmul_gflops in this process's CPU time."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    times = []
+    for _ in range(repeats + 2):
+        c0 = time.process_time()
+        torch.mm(a, b)
+        times.append(time.process_time() - c0)
+    return 2 * 1024 ** 3 / statistics.median(times[2:]) / 1e9
+
+
+def one_round(model_state, variant: list[str], batch_args, seed: int) -> dict:
+    cfg = build_config(None, ["actor.micro_batch_size=128", "actor.lr=1e-4", "actor.lr_schedule=constant",
+                              "actor.logit_chunk_tokens=1024", "algorithm.kl_coef=0.04", "algorithm.kl_in=loss",
+                              *variant])
+    model, _ = build_mid(0)
+    model.load_state_dict(model_state)
+    batch = make_batch(*batch_args)
+    ref = Reference(model, V0, 1.0, 0, 128, tf=common.teacher_forcing(cfg.actor))
+    actor = Actor(model, cfg.actor, cfg.algorithm, "run", "tok", 1.0, 0, 10, batch.num_response_tokens)
+    out = {}
+    timed(out, "reference", lambda: ref.compute(batch))
+    timed(out, "old_log_prob", lambda: actor.compute_old_log_probs(batch, V0))
+    snap = timed(out, "snapshot", actor.snapshot)
+    metrics = timed(out, "update", lambda: actor.update(batch, V0, 0, seed, kl_coef=0.04))
+    del snap
+    out["pg_loss"] = metrics["actor/pg_loss"]
+    out["grad_norm"] = metrics["actor/grad_norm"]
+    out["weights_sum"] = float(sum(p.detach().double().sum() for p in model.parameters()))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--variant", action="append", default=[],
+                   help="NAME:key=value,key=value (actor/algorithm overrides); default base:")
+    p.add_argument("--response", type=int, default=64)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    variants = [(name, [x for x in keys.split(",") if x])
+                for name, keys in (v.split(":", 1) for v in args.variant or ["base:"])]
+    model, _ = build_mid(0)
+    n_params = sum(q.numel() for q in model.parameters())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    batch_args = (16, 8, args.response, model.config.vocab_size)
+    b = make_batch(*batch_args)
+    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in b.samples)
+    flops = {"reference": 2 * n_params * tokens, "old_log_prob": 2 * n_params * tokens,
+             "update": 4 * n_params * tokens}
+    results = {name: [] for name, _ in variants}
+    gf, gc = [matmul_gflops()], [matmul_cpu_gflops()]
+    for r in range(args.repeats):
+        for name, over in variants:
+            results[name].append(one_round(state, over, batch_args, seed=1))
+            gf.append(matmul_gflops())
+            gc.append(matmul_cpu_gflops())
+            print(name, r, json.dumps({k: round(v, 4) for k, v in results[name][-1].items()}),
+                  f"matmul {gf[-1]:.1f} GFLOP/s wall, {gc[-1]:.1f} cpu", flush=True)
+    peak, peak_cpu = max(gf), statistics.median(gc)
+    summary = {"threads": args.threads, "tokens": tokens, "params": n_params, "matmul_gflops_max": round(peak, 1),
+               "matmul_cpu_gflops_median": round(peak_cpu, 1), "load_avg_1m": os.getloadavg()[0]}
+    for name, rows in results.items():
+        keys = [k for k in rows[0] if k.split("_cpu")[0] in ("reference", "old_log_prob", "snapshot", "update")]
+        med = {k: statistics.median(r[k] for r in rows) for k in keys}
+        summary[name] = {k: round(v, 3) for k, v in med.items()}
+        summary[name]["frac_of_matmul"] = {k: round(flops[k] / med[k] / 1e9 / peak, 3) for k in flops}
+        summary[name]["frac_of_matmul_cpu"] = {k: round(flops[k] / med[k + "_cpu"] / 1e9 / peak_cpu, 3)
+                                               for k in flops}
+        summary[name]["numbers"] = {k: rows[0][k] for k in ("pg_loss", "grad_norm", "weights_sum")}
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
