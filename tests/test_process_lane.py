@@ -75,8 +75,9 @@ def test_k1_in_its_own_process_is_bitwise_the_thread_lane(tmp_path):
 def test_k0_through_the_process_lane_is_bitwise_the_synchronous_run(tmp_path, monkeypatch):
     sync, sync_run = _train(tmp_path / "sync", "k0")
 
-    def threaded(run, start, end, version):
-        return _closing(pipeline_module.Pipeline(run, start, end, version, threaded=True))
+    def threaded(run, start, end, version, recalled=None, schedule=None):
+        return _closing(pipeline_module.Pipeline(run, start, end, version, threaded=True,
+                                                 recalled=recalled or {}, schedule=schedule))
     monkeypatch.setattr(driver_module, "pipeline", threaded)
     proc, proc_run = _train(tmp_path / "proc", "k0", "rollout.lane=process")
     assert proc["weights_hash"] == sync["weights_hash"]
