@@ -9,9 +9,15 @@ load from other processes on a shared machine hits both alike; the medians are c
 Run:
     .venv/bin/python benchmarks/rollout.py                      # embedded model
     .venv/bin/python benchmarks/rollout.py --model PATH --device cuda
+    .venv/bin/python benchmarks/rollout.py --shape smollm2 --prompts 4 --max-new-tokens 64
+    .venv/bin/python benchmarks/rollout.py --shape mid --max-new-tokens 64
 
-The model is PATH if given, else the warm-start checkpoint sealrl/assets/arith-tiny if
-present, else the randomly initialised build_tiny_model(0). The last line printed is JSON.
+The model is PATH if given, else the --shape folder of benchmarks/shapes.py (mid: the random
+Qwen2 layout of vs_trl.py --shape mid; smollm2: the converted SmolLM2-135M-Instruct folder),
+else the warm-start checkpoint sealrl/assets/arith-tiny if present, else the randomly
+initialised build_tiny_model(0). Prompts go through the tokenizer's chat template when it has
+one (as vs_trl.py renders them), else they are the bare "07+45=" text. The last line printed
+is JSON.
 """
 from __future__ import annotations
 
@@ -20,6 +26,8 @@ import json
 import os
 import random
 import statistics
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,6 +49,8 @@ WARM_START = Path(__file__).resolve().parent.parent / "sealrl" / "assets" / "ari
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=None, help="local HF causal-LM folder")
+    p.add_argument("--shape", choices=("tiny", "mid", "smollm2"), default=None,
+                   help="a model of benchmarks/shapes.py (when --model is not given)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--n", type=int, default=8, help="candidates per prompt")
@@ -62,9 +72,13 @@ def load_model(path: Path | None, device: str):
 
 
 def addition_prompts(tokenizer, num: int, seed: int = 0) -> list[list[int]]:
-    """'07+45=' style prompts, the embedded arithmetic task's format."""
+    """'07+45=' style prompts, the embedded arithmetic task's format, in the chat template when
+    the tokenizer has one (rendered as sealrl.data.dataset renders a chat prompt)."""
     rng = random.Random(seed)
     texts = [f"{rng.randrange(100):02d}+{rng.randrange(100):02d}=" for _ in range(num)]
+    if getattr(tokenizer, "chat_template", None):
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                               add_generation_prompt=True) for t in texts]
     return [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
 
 
@@ -113,7 +127,15 @@ def main() -> None:
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer, source = load_model(args.model, args.device)
+    path = args.model
+    if path is None and args.shape is not None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from shapes import model_folder
+        path = model_folder(args.shape, Path(tempfile.mkdtemp(prefix="sealrl-rollout-bench-")))
+        if path is None:
+            raise SystemExit("rollout.py --shape smollm2: no converted folder at models/smollm2-135m-instruct "
+                             "(make smollm2)")
+    model, tokenizer, source = load_model(path, args.device)
     engine = RolloutEngine(model, tokenizer, device=args.device)
     manifest = build_manifest(model.state_dict(), "bench", 0, 0, tokenizer_hash(tokenizer),
                               model_config_hash(model.config))
@@ -135,7 +157,9 @@ def main() -> None:
     summary = {"model": source, "device": args.device, "threads": torch.get_num_threads(),
                "prompts": args.prompts, "n": args.n, "max_new_tokens": args.max_new_tokens,
                "temperature": args.temperature, "repeats": args.repeats,
-               "backend": engine.backend_name}
+               "backend": engine.backend_name,
+               "prompt_tokens": sum(map(len, prompts)) / len(prompts),
+               "load_avg_1m": round(os.getloadavg()[0], 2)}
     for name, runs in results.items():
         summary[f"{name}_tokens_per_s"] = round(statistics.median(t / s for s, t in runs), 1)
         summary[f"{name}_median_s"] = round(statistics.median(s for s, _ in runs), 4)

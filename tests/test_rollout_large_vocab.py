@@ -93,3 +93,16 @@ def test_bf16_export_checksums_what_loads_and_bounds_the_parity_gap():
     gap, _ = _parity(engine, manifest16, bf16_model, SamplingContract(temperature=1.0, max_new_tokens=12))
     print(f"bf16 rollout vs bf16 teacher-forced max |log-prob gap| = {gap:.4f}")
     assert gap <= 0.25  # bf16 rounding, other kernels; the fp32 gap is <= 1e-5
+
+
+def test_chunked_lm_head_equals_one_gemm():
+    """A head over more than LM_HEAD_CHUNK tokens runs in row blocks: same logits as one GEMM
+    with the final norm folded in (h @ (W * norm).T), within fp32 rounding."""
+    from sealrl.rollout.lean import LM_HEAD_CHUNK, LeanCausalLM
+    model, _ = build_mid(seed=0, vocab_size=3 * LM_HEAD_CHUNK + 5, hidden=64, layers=1, heads=4, kv_heads=2, mlp=128)
+    w = model.state_dict()
+    lm = LeanCausalLM(w, model.config, model.model.rotary_emb, torch.device("cpu"))
+    assert [c.shape[0] for c in lm.lm_head_chunks] == [LM_HEAD_CHUNK] * 3 + [5]
+    h = torch.randn(7, 64, generator=torch.Generator().manual_seed(0))
+    want = h @ (w["model.embed_tokens.weight"] * w["model.norm.weight"][None, :]).t()
+    assert torch.allclose(lm.logits(h), want, rtol=0, atol=1e-5)

@@ -6,7 +6,16 @@ import math
 import torch
 
 from sealrl.models.logprobs import token_log_probs
-from sealrl.rollout.sampling import candidate_seed, draw, filter_logits, fmix32, sample_step, uniform_noise
+from sealrl.rollout.sampling import (
+    Workspace,
+    _logsumexp,
+    candidate_seed,
+    draw,
+    filter_logits,
+    fmix32,
+    sample_step,
+    uniform_noise,
+)
 
 M32 = 0xFFFFFFFF
 
@@ -96,3 +105,42 @@ def test_state_level_log_probs_are_the_training_formula_exactly():
     u = uniform_noise(torch.tensor([candidate_seed(5, c) for c in range(6)]), torch.tensor([0]))[:, 0]
     tokens, log_probs, _ = sample_step(logits, rows, u, 0.7, 0, 1.0)
     assert torch.equal(log_probs, token_log_probs(logits[rows], tokens, 0.7))
+
+
+def _naive_step(logits, rows, u, temperature):
+    """The step written out with fresh tensors: softmax in float64, cumulative sum, first
+    index whose cumulative mass exceeds u * total (kept below the total), log_softmax."""
+    z = logits.float() / temperature
+    cdf = torch.softmax(z.double(), dim=-1).cumsum(-1)[rows]
+    total = cdf[:, -1:]
+    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return tokens, z[rows, tokens] - torch.logsumexp(z, dim=-1)[rows]
+
+
+def test_a_reused_workspace_changes_no_bit():
+    """One Workspace through steps that grow, shrink and regrow (stale contents left behind):
+    every draw and log-prob is bitwise the fresh-tensor computation."""
+    g = torch.Generator().manual_seed(3)
+    work = Workspace()
+    for U, V, rows, temperature in [(4, 3000, [0, 1, 2, 3], 1.0), (2, 500, [0, 0, 1], 0.7),
+                                    (6, 4000, [5, 0, 0, 3], 1.3), (1, 7, [0, 0], 1.0)]:
+        logits = torch.randn(U, V, generator=g) * 4
+        logits[0, : V // 3] = float("-inf")  # masked entries: exp(-inf) = 0 mass
+        rows_t = torch.tensor(rows)
+        u = torch.rand(len(rows), generator=g, dtype=torch.float64)
+        tokens, log_probs, filtered = sample_step(logits, rows_t, u, temperature, 0, 1.0, work)
+        want_tokens, want_lp = _naive_step(logits, rows_t, u, temperature)
+        assert filtered is None
+        assert torch.equal(tokens, want_tokens) and torch.equal(log_probs, want_lp)
+        assert not torch.isinf(logits[rows_t, tokens]).any()  # never a zero-mass token
+
+
+def test_workspace_logsumexp_is_torch_logsumexp_bitwise():
+    g = torch.Generator().manual_seed(4)
+    z = torch.randn(5, 2000, generator=g) * 30
+    z[1, :1999] = float("-inf")  # one finite entry: its value exactly
+    z[2] = float("-inf")         # all masked: -inf, as torch gives
+    got = _logsumexp(z, Workspace())
+    assert torch.equal(got, torch.logsumexp(z, dim=-1))
+    assert got[1].item() == z[1, 1999].item() and got[2].item() == float("-inf")

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from sealrl.experience.records import SamplingContract, StopReason
-from sealrl.rollout.sampling import sample_step, uniform_noise
+from sealrl.rollout.sampling import Workspace, sample_step, uniform_noise
 from sealrl.rollout.stops import StopChecker
 
 
@@ -148,10 +148,11 @@ def decode_loop(backend, prompts: list[tuple[int, ...]], group_of: list[int], se
     out = RowOutputs.empty(len(seeds))
     alive, state = list(range(len(seeds))), list(group_of)
     stop_ids = frozenset(contract.stop_token_ids)
+    work = Workspace(device)  # the sampler's full-vocabulary buffers, reused every step
     for step in range(max_new):
         u = noise[torch.tensor(alive, device=device), step]  # (B,)
         tokens, lps, flps = sample_step(logits, torch.tensor(state, device=device), u,
-                                        contract.temperature, contract.top_k, contract.top_p)
+                                        contract.temperature, contract.top_k, contract.top_p, work)
         nxt = _record(out, alive, state, tokens, lps, flps, step == max_new - 1, eos_ids,
                       stop_ids, stops)
         now = time.perf_counter() - started
