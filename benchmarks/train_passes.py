@@ -6,7 +6,7 @@ config overrides) run in one process, alternating, so machine load drifts over a
 pass's FLOP utilisation is given against a matmul throughput measured in the same process.
 
     PYTHONPATH=. .venv/bin/python benchmarks/train_passes.py --threads 1 --repeats 3 \
-        --variant base: --variant lean:actor.lean_forward=true
+        --variant base: --variant keep:actor.logit_chunk_keep=true
 """
 from __future__ import annotations
 
@@ -58,13 +58,14 @@ def make_batch(prompts: int, n: int, response: int, vocab: int, seed: int = 0) -
     return batch
 
 
-def matmul_gflops(repeats: int = 15) -> float:
+def matmul_gflops(clock=time.perf_counter, repeats: int = 15) -> float:
+    """fp32 1024^3 matmul throughput, timed by `clock` (wall time, or this process's CPU time)."""
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     times = []
     for _ in range(repeats + 2):
-        t0 = time.perf_counter()
+        t0 = clock()
         torch.mm(a, b)
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return 2 * 1024 ** 3 / statistics.median(times[2:]) / 1e9
 
 
@@ -75,17 +76,6 @@ def timed(out: dict, key: str, fn):
     result = fn()
     out[key], out[key + "_cpu"] = time.perf_counter() - t0, time.process_time() - c0
     return result
-
-
-def matmul_cpu_gflops(repeats: int = 15) -> float:
-    """matmul_gflops in this process's CPU time."""
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    times = []
-    for _ in range(repeats + 2):
-        c0 = time.process_time()
-        torch.mm(a, b)
-        times.append(time.process_time() - c0)
-    return 2 * 1024 ** 3 / statistics.median(times[2:]) / 1e9
 
 
 def one_round(model_state, variant: list[str], batch_args, seed: int) -> dict:
@@ -129,12 +119,12 @@ def main() -> None:
     flops = {"reference": 2 * n_params * tokens, "old_log_prob": 2 * n_params * tokens,
              "update": 4 * n_params * tokens}
     results = {name: [] for name, _ in variants}
-    gf, gc = [matmul_gflops()], [matmul_cpu_gflops()]
+    gf, gc = [matmul_gflops()], [matmul_gflops(time.process_time)]
     for r in range(args.repeats):
         for name, over in variants:
             results[name].append(one_round(state, over, batch_args, seed=1))
             gf.append(matmul_gflops())
-            gc.append(matmul_cpu_gflops())
+            gc.append(matmul_gflops(time.process_time))
             print(name, r, json.dumps({k: round(v, 4) for k, v in results[name][-1].items()}),
                   f"matmul {gf[-1]:.1f} GFLOP/s wall, {gc[-1]:.1f} cpu", flush=True)
     peak, peak_cpu = max(gf), statistics.median(gc)
