@@ -8,8 +8,6 @@ import pytest
 from sealrl.data.dataset import prompts_from_rows
 from sealrl.data.tasks import make_task
 from sealrl.envs import make_env
-from sealrl.envs.base import EnvStep
-from sealrl.experience.episode import EnvStatus
 from sealrl.experience.records import SamplingContract
 from sealrl.models.hf import load_causal_lm, model_config_hash, tokenizer_hash
 from sealrl.models.tiny import build_tiny_model
@@ -18,6 +16,7 @@ from sealrl.rollout.engine import GenerationRequest
 from sealrl.rollout.episodes import EpisodeRunner, EpisodeSpec, env_input
 from sealrl.rollout.turns import TurnCache
 from sealrl.sync.manifest import build_manifest
+from tests.test_episodes import DigitEnv
 
 
 def _engine(model, tok, step: int = 0):
@@ -37,21 +36,6 @@ class Counting:
     def __call__(self, reqs, contract, version, kv=None):
         self.kvs.append(kv)
         return self.engine.generate(reqs, contract, version, kv=kv)
-
-
-class DigitEnv:
-    """Every turn ends at its first digit; the answer is "=x;" until the turn budget ends it."""
-
-    name, version, stops = "digits", "1", tuple("0123456789")
-
-    def reset(self, prompt):
-        return None
-
-    def step(self, state, text):
-        return EnvStep("=x;") if text[-1:].isdigit() else EnvStep(done=True, status=EnvStatus.NONE)
-
-    def close(self):
-        pass
 
 
 def _assert_same_episodes(cached, again):
