@@ -24,6 +24,7 @@ from sealrl.models.tiny import build_tiny_model
 from sealrl.rollout import GenerationRequest
 from sealrl.rollout.engine import RolloutSample
 from sealrl.rollout.switching import generate_switching, planned, token_steps
+from sealrl.trainer import driver as driver_module
 from sealrl.trainer import partial as partial_module
 from sealrl.trainer.ledger import new_iteration
 from sealrl.trainer.pipeline import Produced, admit
@@ -245,3 +246,27 @@ def test_replay_follows_the_recorded_switches_bitwise(switch_run, tmp_path):
     assert schedule.switches == {0: {}, 1: {2: 1}, 2: {2: 2}, 3: {2: 3}}
     result = replay(run, tmp_path / "replay")   # no forced hook: the record's switches only
     assert result["bitwise"] and result["weights_hash"] == summary["weights_hash"]
+
+
+def test_a_switch_run_killed_and_resumed_loses_and_duplicates_nothing(switch_run, tmp_path, monkeypatch):
+    """Killed in iteration 3's update, resumed from checkpoint 2 (the lane ahead of it). The
+    audit passes on the same prompts per iteration, each once; the switches are sealed again.
+    The forced schedule (token 2, to the version published next) does not depend on timing, so
+    here the resume even ends on bitwise the weights; a clock-driven switch would not
+    (docs/async.md)."""
+    from tests.test_exact_resume import _consumed, _ledger, _on_call
+    args = (*SWITCH, "rollout.temperature=1.5", "actor.lr=1e-2")
+    monkeypatch.setattr(partial_module, "live_switch", _forced)
+    real = driver_module.update
+    monkeypatch.setattr(driver_module, "update", _on_call(4, real))
+    with pytest.raises(RuntimeError, match="injected crash"):
+        _train(tmp_path, "sw", *args)
+    monkeypatch.setattr(driver_module, "update", real)
+    assert (tmp_path / "sw" / "checkpoints" / "latest").read_text() == "step_2"
+    summary, run = _train(tmp_path, "sw", *args, "run.resume=auto")
+    report = audit_run(run)
+    assert report.ok and report.num_iterations == 4 and report.num_samples == 64, report.summary()
+    assert _ledger(run) == _ledger(switch_run[1])
+    assert [(c["iteration"], c["consumed_step"]) for c in _consumed(run)] == [(i, i + 1) for i in range(4)]
+    assert recorded_schedule(run, 4, 1).switches == {0: {}, 1: {2: 1}, 2: {2: 2}, 3: {2: 3}}
+    assert summary["weights_hash"] == switch_run[0]["weights_hash"]
