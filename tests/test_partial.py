@@ -131,9 +131,11 @@ def _version(step):
 
 def test_admission_counts_staleness_from_the_oldest_token_version():
     """chain steps 0, 1, 2; actor at 2; bound 1. Group a: tokens of steps 1 then 2 (age 1, admitted).
-    Group b: started at step 0, switched to 2 (its oldest token is 2 versions behind: dropped)."""
+    Group b: started at step 0, switched to 2 (its oldest token is 2 versions behind: dropped).
+    Group c: switched to step 3, never published (dropped)."""
     chain = [_version(s).id for s in (0, 1, 2)]
-    segs = {"a": ((0, _version(1)), (1, _version(2))), "b": ((0, _version(0)), (2, _version(2)))}
+    segs = {"a": ((0, _version(1)), (1, _version(2))), "b": ((0, _version(0)), (2, _version(2))),
+            "c": ((0, _version(1)), (1, _version(3)))}
     ledger, requests = new_iteration(5, 2, 0, "r", 0, [(p, (1, 2)) for p in segs])
     kept = {g: [RolloutSample(f"{g}/{c}", g, c, (1, 2), (3, 4, 5), (-0.5,) * 3, None, StopReason.EOS,
                               segs[g.rsplit("/", 1)[1]][0][1], c, segments=segs[g.rsplit("/", 1)[1]])
@@ -143,7 +145,8 @@ def test_admission_counts_staleness_from_the_oldest_token_version():
     ages = admit(p, chain, chain[2], 1)
     assert ages == [1, 1]
     assert [g.rsplit("/", 1)[1] for g in p.kept] == ["a"]
-    assert "2 versions behind" in next(r["reason"] for r in p.ledger.rows() if r["reason"])
+    reasons = [r["reason"] for r in p.ledger.rows() if r["reason"]]
+    assert len(reasons) == 2 and "2 versions behind" in reasons[0] and "not a published version" in reasons[1]
 
 
 def test_config_refuses_switch_where_it_is_not_built():

@@ -118,9 +118,10 @@ def admit(p: Produced, chain: list[str], actor: str, bound: int) -> list[int]:
 
 
 def _oldest(chain: list[str], actor: str, sample: RolloutSample) -> int | None:
-    """The staleness of `sample`: of the oldest version among its tokens (None: one unpublished)."""
+    """The staleness of `sample`: of the oldest version among its tokens; None (one unpublished)
+    or negative (one later than the actor's) when any token's is not admissible."""
     ages = [staleness(chain, actor, v.id) for v in sample_versions(sample)]
-    return None if None in ages else max(ages)
+    return None if None in ages else min(ages) if min(ages) < 0 else max(ages)
 
 
 def staleness_metrics(ages: list[int], bound: int) -> dict[str, float]:
