@@ -273,3 +273,18 @@ def test_a_switch_run_killed_and_resumed_loses_and_duplicates_nothing(switch_run
     assert [(c["iteration"], c["consumed_step"]) for c in _consumed(run)] == [(i, i + 1) for i in range(4)]
     assert recorded_schedule(run, 4, 1).switches == {0: {}, 1: {2: 1}, 2: {2: 2}, 3: {2: 3}}
     assert summary["weights_hash"] == switch_run[0]["weights_hash"]
+
+
+def test_switch_mode_without_a_publication_mid_generation_is_the_finish_run(tmp_path, monkeypatch):
+    """The switching generator with no switch samples bitwise what the engine's generate does:
+    same weights, same tokens and log-probs; only the record gains token_versions."""
+    finish, finish_run = _train(tmp_path / "f", "r", *SWITCH[:2], "rollout.max_new_tokens=6")
+    monkeypatch.setattr(partial_module, "live_switch", lambda engine, it: lambda step, current: None)
+    switch, switch_run = _train(tmp_path / "s", "r", *SWITCH)
+    assert switch["weights_hash"] == finish["weights_hash"]
+    for i in range(4):
+        a, b = read_iteration(_iter(finish_run, i)), read_iteration(_iter(switch_run, i))
+        assert [s.response_ids for s in a.samples] == [s.response_ids for s in b.samples]
+        assert torch.equal(a.get("rollout_log_probs"), b.get("rollout_log_probs"))
+        assert not a.has("token_versions") and b.get("token_versions")[b.token_mask()].unique().tolist() == \
+            [max(0, i - 1)]
