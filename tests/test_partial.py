@@ -26,6 +26,8 @@ from sealrl.rollout.engine import RolloutSample
 from sealrl.rollout.switching import generate_switching, planned, token_steps
 from sealrl.trainer import driver as driver_module
 from sealrl.trainer import partial as partial_module
+from sealrl.trainer import setup as trainer_setup
+from sealrl.trainer.driver import train
 from sealrl.trainer.ledger import new_iteration
 from sealrl.trainer.pipeline import Produced, admit
 from sealrl.trainer.replay import recorded_schedule, replay
@@ -150,8 +152,8 @@ def test_admission_counts_staleness_from_the_oldest_token_version():
 
 
 def test_config_refuses_switch_where_it_is_not_built():
-    for extra, word in [([], "max_staleness"), (["rollout.max_staleness=1", "rollout.lane=process"], "lane"),
-                        (["rollout.max_staleness=1", "env.name=calc"], "episodes")]:
+    for extra, word in [([], "max_staleness"), (["rollout.max_staleness=1", "env.name=calc"], "episodes"),
+                        (["rollout.max_staleness=1", "actor.lora.rank=4"], "LoRA")]:
         cfg = build_config(None, ["rollout.partial=switch", "algorithm.correction=token_is", *extra])
         with pytest.raises(ConfigError, match=word):
             check_config(cfg)
@@ -288,3 +290,30 @@ def test_switch_mode_without_a_publication_mid_generation_is_the_finish_run(tmp_
         assert torch.equal(a.get("rollout_log_probs"), b.get("rollout_log_probs"))
         assert not a.has("token_versions") and b.get("token_versions")[b.token_mask()].unique().tolist() == \
             [max(0, i - 1)]
+
+
+# ---- in the generation process (rollout.lane=process) ------------------------------------------
+
+def test_switch_in_the_generation_process_is_bitwise_the_thread_lane(switch_run, tmp_path, monkeypatch):
+    """The same forced switches, decided in the generation process on the loads it receives while
+    it samples: the same sealed experience and weights as the thread lane's run."""
+    from tests.helpers_partial import HeldRollout
+    from tests.test_pipeline import _files
+    monkeypatch.setattr(trainer_setup, "Rollout", HeldRollout)
+    summary, run = _train(tmp_path, "sw", *SWITCH, "rollout.temperature=1.5", "actor.lr=1e-2", "rollout.lane=process")
+    assert summary["weights_hash"] == switch_run[0]["weights_hash"]
+    assert _files(run) == _files(switch_run[1])
+    assert audit_run(run).ok
+
+
+def test_replay_of_the_recorded_switches_in_the_generation_process(switch_run, tmp_path):
+    """The thread lane's record replayed with generation in its own process: it waits there for
+    each recorded version and switches at the recorded tokens, ending on the same weights."""
+    from sealrl.config import load_config
+    summary, run = switch_run
+    cfg = load_config(str(run / "config.yaml"), [f"run.output_dir={tmp_path}", "run.resume=never",
+                                                 "rollout.lane=process"])
+    replayed = train(cfg, recorded_schedule(run, 4, 1))
+    assert replayed["weights_hash"] == summary["weights_hash"]
+    assert [read_iteration(_iter(Path(replayed["run_dir"]), i)).seal_digest for i in range(4)] == \
+        [read_iteration(_iter(run, i)).seal_digest for i in range(4)]

@@ -23,7 +23,7 @@ import torch
 
 from sealrl.experience.ids import PolicyVersion, sample_id
 from sealrl.experience.records import SamplingContract
-from sealrl.rollout.engine import GenerationRequest, RolloutSample
+from sealrl.rollout.engine import GenerationRequest, RolloutSample, VersionNotHeldError
 from sealrl.rollout.loop import RowOutputs, decode_loop, prefilled
 from sealrl.rollout.sampling import candidate_seed
 from sealrl.rollout.stops import StopChecker
@@ -40,6 +40,31 @@ def planned(plan: dict, resolve: Callable[[object], PolicyVersion]) -> Switch:
         version = resolve(plan[step])
         return version if version != current else None
     return switch
+
+
+def live_switch(engine) -> Switch:
+    """The clock's schedule: from the next token, the version `engine` activated last, if it
+    activated one after this call began (a publication mid-generation)."""
+    began = engine.active_version
+
+    def switch(step: int, current: PolicyVersion) -> PolicyVersion | None:
+        newest = engine.active_version   # one reference read: a publication swaps it whole
+        return newest if newest != began and newest != current else None
+    return switch
+
+
+def wait_held(engine, version: PolicyVersion, poll_s: float = 0.005) -> PolicyVersion:
+    """`version` once `engine` serves it (a replay waiting for its publication); raises
+    VersionNotHeldError when the engine has gone past its step with another version instead."""
+    while True:
+        try:
+            return engine.serving(version).version
+        except VersionNotHeldError:
+            active = engine.active_version
+            if active is not None and active.step >= version.step:
+                raise VersionNotHeldError(f"replay: the record switches to {version}, the rollout "
+                                          f"was published {active} instead") from None
+        time.sleep(poll_s)
 
 
 def generate_switching(engine, requests: list[GenerationRequest], contract: SamplingContract,

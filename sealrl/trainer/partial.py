@@ -19,31 +19,30 @@ import copy
 import torch
 
 from sealrl.experience import ExperienceBatch, Role, pad_token_rows
+from sealrl.rollout import switching
 from sealrl.rollout.engine import RolloutSample
 from sealrl.rollout.switching import Switch, generate_switching, planned, token_steps
 
 
 def live_switch(engine, it: int) -> Switch:
-    """The clock's schedule for iteration `it`: from the next token, the version the rollout
-    activated last, if one was activated after the call began."""
-    began = engine.active_version
-
-    def switch(step, current):
-        newest = engine.active_version   # one reference read: a publication swaps it whole
-        return newest if newest != began and newest != current else None
-    return switch
+    """The clock's schedule for iteration `it` (rollout/switching.py live_switch); tests replace
+    it to force a switch at a chosen token."""
+    return switching.live_switch(engine)
 
 
 class SwitchingRollout:
-    """The lane's rollout role for one iteration: generate switches versions per `schedule(engine)`;
-    everything else is the wrapped role's."""
+    """The lane's rollout role for one iteration: generate switches versions on publications
+    (`plan` None) or at a replay's recorded tokens; everything else is the wrapped role's."""
 
-    def __init__(self, rollout, schedule) -> None:
-        self._rollout, self._schedule = rollout, schedule
+    def __init__(self, rollout, it: int, plan: dict | None, resolve) -> None:
+        self._rollout, self._it, self._plan, self._resolve = rollout, it, plan, resolve
 
     def generate(self, requests, contract, version) -> list[RolloutSample]:
-        engine = self._rollout.engine
-        return generate_switching(engine, requests, contract, version, self._schedule(engine))
+        role = self._rollout
+        if not hasattr(role, "engine"):   # the generation process (rollout.lane=process) switches there
+            return role.generate_switching(requests, contract, version, self._plan)
+        switch = live_switch(role.engine, self._it) if self._plan is None else planned(self._plan, self._resolve)
+        return generate_switching(role.engine, requests, contract, version, switch)
 
     def __getattr__(self, name):
         return getattr(self._rollout, name)
@@ -52,16 +51,13 @@ class SwitchingRollout:
 def lane_run(run, it: int, plan: dict | None = None, resolve=None):
     """`run` as the lane generates iteration `it` with: unchanged with rollout.partial=finish;
     with switch, its rollout switches on publications, or follows a replay's recorded `plan`
-    (first token -> key; `resolve(key)` is the version, once the rollout holds it)."""
+    (first token -> key; `resolve(key)` is the version, once the rollout holds it; in the
+    generation process the keys are the recorded versions and it waits for them there)."""
     if run.cfg.rollout.partial != "switch":
         return run
-    if plan is None:
-        schedule = lambda engine: live_switch(engine, it)   # noqa: E731 - looked up per call (tests force it)
-    else:
-        schedule = lambda engine: planned(plan, resolve)    # noqa: E731
     out = copy.copy(run)
     out.roles = copy.copy(run.roles)
-    out.roles.rollout = SwitchingRollout(run.roles.rollout, schedule)
+    out.roles.rollout = SwitchingRollout(run.roles.rollout, it, plan, resolve)
     return out
 
 

@@ -257,6 +257,8 @@ class Pipeline:
         version ({} = none); () outside a replay: the clock decides (trainer/partial.py)."""
         if self.schedule is None:
             return ()
+        if self._process is not None:   # the process waits for the recorded versions themselves
+            return getattr(self.schedule, "targets", {}).get(it, {}), None
         return getattr(self.schedule, "switches", {}).get(it, {}), self._wait_version
 
     def _wait_version(self, it: int):

@@ -83,6 +83,7 @@ class RecordedSchedule(dict):
     def __init__(self) -> None:
         super().__init__()
         self.switches: dict[int, dict[int, int]] = {}
+        self.targets: dict[int, dict] = {}   # iteration -> {first token: the recorded PolicyVersion}
 
 
 def _switches(schedule: RecordedSchedule, i: int, batch, started: list[int], step: int) -> None:
@@ -92,13 +93,15 @@ def _switches(schedule: RecordedSchedule, i: int, batch, started: list[int], ste
     except ValueError as e:
         raise ScheduleError(f"iteration {i}: {e}; replay follows one switch schedule per iteration") from None
     if batch.has("token_versions"):
-        schedule.switches[i] = {}
+        schedule.switches[i], schedule.targets[i] = {}, {}
+    by_step = {v.step: v for v in batch.versions.values()}
     for token, to in plan.items():
         later = [j for j in range(i + 1) if started[j] == to]
         if to <= step or not later:
             raise ScheduleError(f"iteration {i}: switches at token {token} to step {to}, which is not a version "
                                 f"published after its start (step {step}) by iteration {i} (steps {started})")
         schedule.switches[i][token] = later[0]
+        schedule.targets[i][token] = by_step[to]
 
 
 def replay(run_dir: str | Path, out: str | Path | None = None) -> dict:
