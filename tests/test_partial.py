@@ -152,8 +152,7 @@ def test_admission_counts_staleness_from_the_oldest_token_version():
 
 
 def test_config_refuses_switch_where_it_is_not_built():
-    for extra, word in [([], "max_staleness"), (["rollout.max_staleness=1", "env.name=calc"], "episodes"),
-                        (["rollout.max_staleness=1", "actor.lora.rank=4"], "LoRA")]:
+    for extra, word in [([], "max_staleness"), (["rollout.max_staleness=1", "env.name=calc"], "episodes")]:
         cfg = build_config(None, ["rollout.partial=switch", "algorithm.correction=token_is", *extra])
         with pytest.raises(ConfigError, match=word):
             check_config(cfg)
@@ -317,3 +316,18 @@ def test_replay_of_the_recorded_switches_in_the_generation_process(switch_run, t
     assert replayed["weights_hash"] == summary["weights_hash"]
     assert [read_iteration(_iter(Path(replayed["run_dir"]), i)).seal_digest for i in range(4)] == \
         [read_iteration(_iter(run, i)).seal_digest for i in range(4)]
+
+
+def test_a_lora_switch_run_switches_audits_and_replays_bitwise(tmp_path, monkeypatch):
+    """With LoRA each version is base + adapter, merged in the rollout: the switch, the per-token
+    log-probs (the consuming actor's own after it, within 1e-5) and the replay hold the same."""
+    monkeypatch.setattr(partial_module, "live_switch", _forced)
+    summary, run = _train(tmp_path, "sw", *SWITCH, "rollout.temperature=1.5", "actor.lr=1e-2", "actor.lora.rank=4")
+    monkeypatch.undo()
+    assert audit_run(run).ok
+    assert recorded_schedule(run, 4, 1).switches == {0: {}, 1: {2: 1}, 2: {2: 2}, 3: {2: 3}}
+    batch = read_iteration(_iter(run, 3))
+    after = (batch.get("token_versions") == 3) & batch.token_mask()
+    assert after.any()
+    assert (batch.get("rollout_log_probs") - batch.get("old_log_probs"))[after].abs().max() < 1e-5
+    assert replay(run, tmp_path / "replay")["weights_hash"] == summary["weights_hash"]

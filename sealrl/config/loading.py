@@ -143,8 +143,7 @@ def _check_switch(cfg: Config) -> None:
     """rollout.partial=switch: only where partial rollouts are built and tested."""
     refused = [(not cfg.rollout.max_staleness, "needs rollout.max_staleness >= 1 (at 0 nothing is published "
                                                "while generating)"),
-               (cfg.env.name != "none", "is not built for multi-turn episodes (env.name) yet"),
-               (bool(cfg.actor.lora.rank or cfg.critic.lora.rank), "is not tested with LoRA yet")]
+               (cfg.env.name != "none", "is not built for multi-turn episodes (env.name) yet")]
     for bad, why in refused:
         if bad:
             raise ConfigError(f"rollout.partial=switch {why}", "rollout.partial")
