@@ -90,6 +90,9 @@ class RolloutSample:
     # the sealed record or of any digest.
     finish_s: float = field(default=0.0, compare=False)
     episode: EpisodeRecord | None = None          # multi-turn: the turns (rollout/episodes.py)
+    # Partial rollouts (rollout/switching.py): (first response token, PolicyVersion) of each run
+    # of tokens one version sampled, the first at 0 by policy_version; () = all by policy_version.
+    segments: tuple = ()
 
 
 class VersionNotHeldError(RuntimeError):
@@ -235,6 +238,17 @@ class RolloutEngine:
     def load_weights(self, state_dict: Mapping[str, Tensor], manifest: WeightManifest) -> None:
         """Stage, verify, activate: the single-engine path. Activates nothing on failure."""
         self.activate(self.stage(state_dict, manifest))
+
+    def serving(self, version: PolicyVersion | None = None) -> _Snapshot:
+        """The snapshot (version, backend) serving `version` (None: the active one), retained or
+        active; VersionNotHeldError when this replica does not hold it."""
+        snap = self._active  # read once
+        if version is not None and snap is not None and snap.version != version:
+            snap = next((r for r in self._retired if r.version == version), snap)
+        if snap is None or (version is not None and snap.version != version):
+            held = "nothing" if snap is None else str(snap.version)
+            raise VersionNotHeldError(f"asked to generate with {version}, this replica holds {held}")
+        return snap
 
     def generate(self, requests: list[GenerationRequest], contract: SamplingContract,
                  version: PolicyVersion, kv: TurnCache | None = None) -> list[RolloutSample]:
