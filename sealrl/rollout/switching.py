@@ -72,13 +72,7 @@ def generate_switching(engine, requests: list[GenerationRequest], contract: Samp
     """Every requested candidate, in request then candidate order, with its segments."""
     started = time.perf_counter()
     snap = engine.serving(version)
-    keys = [(r.group_id, c) for r in requests for c in r.candidates]
-    if len(set(keys)) != len(keys):
-        raise ValueError("generate: a (group_id, candidate) pair is requested twice")
-    vocab = engine._template.config.vocab_size
-    for r in requests:
-        if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= vocab:
-            raise ValueError(f"request {r.group_id}: prompt token outside the vocabulary [0, {vocab})")
+    engine.check_requests(requests)
     rows = [(req, cand) for req in requests for cand in req.candidates]
     seeds = [candidate_seed(req.seed, cand) for req, cand in rows]
     stops = StopChecker(engine.tokenizer, contract.stop)
