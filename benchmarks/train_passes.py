@@ -1,5 +1,7 @@
 """Per-pass times of sealrl's teacher-forced passes at the `mid` shape, on the vs_trl --shape mid
-batch (16 prompts x 8, 64-token responses, prompts of 5-7 tokens): the fused old-log-prob forward
+batch (16 prompts x 8, 64-token responses, prompts of 5-7 tokens), or with --shape tiny on the
+embedded model (sealrl/assets/arith-tiny; 16 x 8, 4-token responses as its warm start gives,
+full logits as vs_trl runs it): the fused old-log-prob forward
 with gradients (`Actor.compute_old_log_probs`), the update (backward + AdamW; `Actor.update`), and
 the reference pass (`Reference.compute`), through the roles' own code. Variants (lists of actor
 config overrides) run in one process, alternating, so machine load drifts over all alike; each
@@ -7,6 +9,8 @@ pass's FLOP utilisation is given against a matmul throughput measured in the sam
 
     PYTHONPATH=. .venv/bin/python benchmarks/train_passes.py --threads 1 --repeats 3 \
         --variant base: --variant keep:actor.logit_chunk_keep=true
+    PYTHONPATH=. .venv/bin/python benchmarks/train_passes.py --shape tiny --repeats 9 \
+        --variant base: --variant lean:actor.lean_forward=true
 """
 from __future__ import annotations
 
@@ -32,12 +36,17 @@ from sealrl.experience import (  # noqa: E402
     pad_token_rows,
     sample_id,
 )
+from sealrl.models.hf import load_causal_lm  # noqa: E402
 from sealrl.models.synthetic import build_mid  # noqa: E402
 from sealrl.roles import common  # noqa: E402
 from sealrl.roles.actor import Actor  # noqa: E402
 from sealrl.roles.reference import Reference  # noqa: E402
 
 V0 = PolicyVersion("run", 0, 0, "w0", "t0", "c0")
+TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "sealrl", "assets", "arith-tiny")
+# per shape: the model, and the actor keys vs_trl.py runs it with (the LM head chunked at mid)
+SHAPES = {"mid": (lambda: build_mid(0)[0], ["actor.logit_chunk_tokens=1024"]),
+          "tiny": (lambda: load_causal_lm(TINY)[0], [])}
 
 
 def make_batch(prompts: int, n: int, response: int, vocab: int, seed: int = 0) -> ExperienceBatch:
@@ -78,11 +87,11 @@ def timed(out: dict, key: str, fn):
     return result
 
 
-def one_round(model_state, variant: list[str], batch_args, seed: int) -> dict:
+def one_round(shape: str, model_state, variant: list[str], batch_args, seed: int) -> dict:
+    build, keys = SHAPES[shape]
     cfg = build_config(None, ["actor.micro_batch_size=128", "actor.lr=1e-4", "actor.lr_schedule=constant",
-                              "actor.logit_chunk_tokens=1024", "algorithm.kl_coef=0.04", "algorithm.kl_in=loss",
-                              *variant])
-    model, _ = build_mid(0)
+                              *keys, "algorithm.kl_coef=0.04", "algorithm.kl_in=loss", *variant])
+    model = build()
     model.load_state_dict(model_state)
     batch = make_batch(*batch_args)
     ref = Reference(model, V0, 1.0, 0, 128, tf=common.teacher_forcing(cfg.actor))
@@ -105,15 +114,17 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--variant", action="append", default=[],
                    help="NAME:key=value,key=value (actor/algorithm overrides); default base:")
-    p.add_argument("--response", type=int, default=64)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="mid")
+    p.add_argument("--response", type=int, default=0, help="response tokens (0: 64 at mid, 4 at tiny)")
     args = p.parse_args()
+    response = args.response or (64 if args.shape == "mid" else 4)
     torch.set_num_threads(args.threads)
     variants = [(name, [x for x in keys.split(",") if x])
                 for name, keys in (v.split(":", 1) for v in args.variant or ["base:"])]
-    model, _ = build_mid(0)
+    model = SHAPES[args.shape][0]()
     n_params = sum(q.numel() for q in model.parameters())
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    batch_args = (16, 8, args.response, model.config.vocab_size)
+    batch_args = (16, 8, response, model.config.vocab_size)
     b = make_batch(*batch_args)
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in b.samples)
     flops = {"reference": 2 * n_params * tokens, "old_log_prob": 2 * n_params * tokens,
@@ -122,13 +133,14 @@ def main() -> None:
     gf, gc = [matmul_gflops()], [matmul_gflops(time.process_time)]
     for r in range(args.repeats):
         for name, over in variants:
-            results[name].append(one_round(state, over, batch_args, seed=1))
+            results[name].append(one_round(args.shape, state, over, batch_args, seed=1))
             gf.append(matmul_gflops())
             gc.append(matmul_gflops(time.process_time))
             print(name, r, json.dumps({k: round(v, 4) for k, v in results[name][-1].items()}),
                   f"matmul {gf[-1]:.1f} GFLOP/s wall, {gc[-1]:.1f} cpu", flush=True)
     peak, peak_cpu = max(gf), statistics.median(gc)
-    summary = {"threads": args.threads, "tokens": tokens, "params": n_params, "matmul_gflops_max": round(peak, 1),
+    summary = {"shape": args.shape, "threads": args.threads, "tokens": tokens, "params": n_params,
+               "matmul_gflops_max": round(peak, 1),
                "matmul_cpu_gflops_median": round(peak_cpu, 1), "load_avg_1m": os.getloadavg()[0]}
     for name, rows in results.items():
         keys = [k for k in rows[0] if k.split("_cpu")[0] in ("reference", "old_log_prob", "snapshot", "update")]

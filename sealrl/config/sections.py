@@ -236,6 +236,7 @@ class ActorConfig:
     logit_chunk_tokens: int = 0            # LM head + log-softmax this many tokens at a time (0 = all at once)
     logit_chunk_keep: bool = False         # chunked head: keep its fp32 logits for the backward (no recompute)
     gradient_checkpointing: bool = False   # recompute layer activations in the backward (less memory)
+    lean_forward: bool = False             # Llama/Qwen2 passes by models/lean_forward.py (not bitwise HF)
     dtype: str = "fp32"                    # fp32 | bf16: autocast compute, fp32 master weights + AdamW; bf16 reference
     device: str = "auto"                   # auto | cpu | cuda: the actor's model and passes (auto: cuda when available)
 

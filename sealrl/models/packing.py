@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from sealrl.models.chunked import chunked_log_probs, output_weight
+from sealrl.models.lean_forward import lean_hidden, unsupported_reason
 from sealrl.models.logprobs import (
     _check_pairs,
     pad_batch,
@@ -46,6 +47,10 @@ class PackedBatch:
     starts: tuple[int, ...]     # offset of each sequence in the row
     prompt_lens: tuple[int, ...]
     response_lens: tuple[int, ...]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [p + r for p, r in zip(self.prompt_lens, self.response_lens)]
 
     def predicting_index(self, extra: int = 0) -> Tensor:
         """Flat positions whose states predict each response token, in sequence order; with
@@ -121,15 +126,23 @@ def _flat_log_probs(model, hidden_or_logits: Tensor, tokens: Tensor, temperature
 
 
 def packed_log_probs(model, prompts: list[list[int]], responses: list[list[int]], temperature: float = 1.0,
-                     with_entropy: bool = False, chunk: int = 0,
-                     keep_logits: bool = False) -> tuple[Tensor, Tensor | None, Tensor]:
+                     with_entropy: bool = False, chunk: int = 0, keep_logits: bool = False,
+                     lean: bool = False) -> tuple[Tensor, Tensor | None, Tensor]:
     """Same contract and numbers as logprobs.response_log_probs, computed on one packed row;
-    `chunk` > 0 applies the LM head `chunk` tokens at a time (models/chunked.py)."""
+    `chunk` > 0 applies the LM head `chunk` tokens at a time (models/chunked.py); `lean` runs
+    the decoder through models/lean_forward.py instead of the HF module."""
     device = next(model.parameters()).device
     packed = pack_sequences(prompts, responses, device)
     index = packed.predicting_index()  # (M,)
     targets = packed.input_ids[0, index + 1]  # (M,) the token each position predicts
-    if chunk:
+    if lean:
+        hidden = lean_hidden(model, packed.input_ids[0], packed.lengths, index)  # (M, H)
+        if chunk:
+            flat_lp, flat_ent = _flat_log_probs(model, hidden, targets, temperature, chunk, with_entropy, keep_logits)
+        else:
+            flat_lp, flat_ent = _flat_log_probs(model, model.get_output_embeddings()(hidden), targets, temperature,
+                                                0, with_entropy)
+    elif chunk:
         hidden = model.get_decoder()(input_ids=packed.input_ids, position_ids=packed.position_ids,
                                      use_cache=False).last_hidden_state[0, index]  # (M, H)
         flat_lp, flat_ent = _flat_log_probs(model, hidden, targets, temperature, chunk, with_entropy, keep_logits)
@@ -158,13 +171,19 @@ def padded_chunked_log_probs(model, prompts: list[list[int]], responses: list[li
     return lp, ent, batch.response_mask
 
 
-def packed_values(critic, prompts: list[list[int]], responses: list[list[int]]) -> tuple[Tensor, Tensor, Tensor]:
-    """CriticModel.values on one packed row: (values (B,R), last_values (B,), response_mask (B,R))."""
+def packed_values(critic, prompts: list[list[int]], responses: list[list[int]],
+                  lean: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """CriticModel.values on one packed row: (values (B,R), last_values (B,), response_mask (B,R));
+    `lean`: the backbone through models/lean_forward.py."""
     device = next(critic.parameters()).device
     packed = pack_sequences(prompts, responses, device)
-    hidden = critic.backbone(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                             use_cache=False).last_hidden_state[0]  # (N, H)
-    flat = critic.value_head(hidden[packed.predicting_index(extra=1)].float()).squeeze(-1)  # (M + B,)
+    index = packed.predicting_index(extra=1)
+    if lean:
+        hidden = lean_hidden(critic.backbone, packed.input_ids[0], packed.lengths, index)  # (M + B, H)
+    else:
+        hidden = critic.backbone(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                                 use_cache=False).last_hidden_state[0, index]  # (M + B, H)
+    flat = critic.value_head(hidden.float()).squeeze(-1)  # (M + B,)
     v = packed.to_padded(flat, extra=1)  # (B, R+1)
     lens = torch.tensor(packed.response_lens, device=device)
     mask = packed.response_mask().float()
@@ -181,6 +200,7 @@ class TeacherForcing:
     pack: bool = False           # packed rows instead of padded batches
     chunk: int = 0               # LM-head chunk in tokens (0 = full logits)
     keep_logits: bool = False    # chunked: keep the fp32 logits for the backward (no recompute)
+    lean: bool = False           # models/lean_forward.py where it covers the model, else the HF forward
 
     def micro_batches(self, lengths: list[int]) -> list[list[int]]:
         """Indices into `lengths` (prompt + response tokens per sample), one list per micro-batch."""
@@ -192,9 +212,10 @@ class TeacherForcing:
     def log_probs(self, model, prompts: list[list[int]], responses: list[list[int]], temperature: float,
                   pad_id: int, with_entropy: bool = False) -> tuple[Tensor, Tensor | None, Tensor]:
         """(log_probs (B,R), entropy (B,R) or None, response_mask (B,R)), 0 past each response."""
-        if self.pack:
+        lean = self.lean and unsupported_reason(model) is None
+        if self.pack or lean:  # the lean forward packs its linear layers whatever `pack` says
             return packed_log_probs(model, prompts, responses, temperature, with_entropy, self.chunk,
-                                    self.keep_logits)
+                                    self.keep_logits, lean)
         if self.chunk:
             return padded_chunked_log_probs(model, prompts, responses, temperature, pad_id, with_entropy,
                                             self.chunk, self.keep_logits)
@@ -202,7 +223,8 @@ class TeacherForcing:
                                   with_entropy=with_entropy)
 
     def values(self, critic, prompts: list[list[int]], responses: list[list[int]], pad_id: int):
-        """CriticModel.values, packed or padded."""
-        if self.pack:
-            return packed_values(critic, prompts, responses)
+        """CriticModel.values, packed or padded (or lean: packed linears, per-sequence attention)."""
+        lean = self.lean and unsupported_reason(critic.backbone) is None
+        if self.pack or lean:
+            return packed_values(critic, prompts, responses, lean)
         return critic.values(prompts, responses, pad_id=pad_id)

@@ -41,20 +41,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers.activations import ACT2FN
 
-_STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+from sealrl.models.lean_forward import lean_unsupported_reason  # noqa: F401  (shared with the training forward)
+
 LM_HEAD_CHUNK = 1024  # vocabulary rows per LM-head GEMM (see the module docstring)
-
-
-def lean_unsupported_reason(config) -> str | None:
-    """None when the lean forward computes what the HF module computes."""
-    if config.model_type not in ("llama", "qwen2"):
-        return f"model_type {config.model_type!r} is not llama/qwen2"
-    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or ())):
-        return "sliding-window layers"
-    rope_type = (config.rope_parameters or {}).get("rope_type", "default")
-    if rope_type not in _STATIC_ROPE:
-        return f"rope_type {rope_type!r} depends on the sequence length"
-    return None
 
 
 @dataclass

@@ -1,0 +1,132 @@
+"""The lean teacher-forced forward (models/lean_forward.py, actor.lean_forward) against the HF
+forward it replaces: log-probs, entropy, critic values and every parameter's gradient within
+1e-5 in fp32, padded and packed, full and chunked logits, Llama (MHA, biases) and Qwen2 (GQA,
+tied embeddings, q/k/v biases), sequences of unequal and of equal lengths, LoRA; and the HF
+forward, bit for bit, where the lean one does not apply."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from sealrl.config import build_config
+from sealrl.models.critic import CriticModel
+from sealrl.models.lean_forward import lean_hidden, unsupported_reason
+from sealrl.models.lora import apply_lora
+from sealrl.models.packing import TeacherForcing, pack_sequences
+from sealrl.roles.common import teacher_forcing
+from tests.test_models_packing import PROMPTS, RESPONSES, qwen2_gqa_tied
+
+TOL = 1e-5
+EQUAL_PROMPTS, EQUAL_RESPONSES = [[3, 4, 5], [6, 7, 8], [9, 10, 11]], [[12, 13], [14, 15], [16, 17]]
+
+
+def llama_biased():
+    """A Llama layout with biases on attention and MLP (the o_proj bias takes the module path)."""
+    torch.manual_seed(3)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, attention_bias=True, mlp_bias=True,
+                      rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
+    return LlamaForCausalLM(cfg).eval()
+
+
+MODELS = {"llama_biased": llama_biased, "qwen2_gqa_tied": qwen2_gqa_tied}
+
+
+def run(model, tf, prompts, responses, temperature=0.7):
+    """(log-probs, entropy, {name: grad}) of loss = sum lp + 0.3 sum entropy, fresh gradients."""
+    model.zero_grad(set_to_none=True)
+    lp, ent, mask = tf.log_probs(model, prompts, responses, temperature, 0, with_entropy=True)
+    (lp.sum() + 0.3 * ent.sum()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return lp.detach(), ent.detach(), mask, grads
+
+
+def assert_close(a, b):
+    assert a[2].tolist() == b[2].tolist()  # response masks
+    assert (a[0] - b[0]).abs().max() <= TOL and (a[1] - b[1]).abs().max() <= TOL
+    assert a[3].keys() == b[3].keys()
+    for name in a[3]:
+        assert (a[3][name] - b[3][name]).abs().max() <= TOL, name
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_lean_equals_hf(name, pack, chunk):
+    model = MODELS[name]().train()  # train mode: no dropout in these configs, so lean applies
+    assert unsupported_reason(model) is None
+    for prompts, responses in ((PROMPTS, RESPONSES), (EQUAL_PROMPTS, EQUAL_RESPONSES)):
+        hf = run(model, TeacherForcing(pack=pack, chunk=chunk), prompts, responses)
+        lean = run(model, TeacherForcing(pack=pack, chunk=chunk, lean=True), prompts, responses)
+        assert_close(hf, lean)
+        assert lean[0].abs().sum() > 0 and len(lean[3]) == sum(1 for _ in model.parameters())
+
+
+def test_lean_hidden_is_per_sequence():
+    """Each sequence's states depend on its own tokens only: a sequence alone == within a batch."""
+    model = qwen2_gqa_tied()
+    packed = pack_sequences(PROMPTS, RESPONSES)
+    index = packed.predicting_index(extra=1)
+    together = lean_hidden(model, packed.input_ids[0], packed.lengths, index)
+    alone = []
+    for p, r in zip(PROMPTS, RESPONSES):
+        one = pack_sequences([p], [r])
+        alone.append(lean_hidden(model, one.input_ids[0], one.lengths, one.predicting_index(extra=1)))
+    assert (together - torch.cat(alone)).abs().max() <= TOL
+
+
+def test_lean_critic_values_equal_hf():
+    torch.manual_seed(5)
+    critic = CriticModel.from_causal_lm(qwen2_gqa_tied()).train()
+    out = {}
+    for lean in (False, True):
+        critic.zero_grad(set_to_none=True)
+        values, last, mask = TeacherForcing(lean=lean).values(critic, PROMPTS, RESPONSES, 0)
+        (values.sum() + 2 * last.sum()).backward()
+        out[lean] = values.detach(), last.detach(), mask, {n: p.grad.clone() for n, p in critic.named_parameters()}
+    (v0, l0, m0, g0), (v1, l1, m1, g1) = out[False], out[True]
+    assert m0.tolist() == m1.tolist()
+    assert (v0 - v1).abs().max() <= TOL and (l0 - l1).abs().max() <= TOL
+    assert all((g0[n] - g1[n]).abs().max() <= TOL for n in g0)
+
+
+def test_lean_with_lora_adapter():
+    """LoRA-wrapped projections are called as modules: the adapter applies, its factors get
+    the HF gradients, and with the adapter disabled the result is the base model's."""
+    model = qwen2_gqa_tied()
+    cfg = build_config(None, ["actor.lora.rank=4", "actor.lora.dropout=0.0"]).actor.lora
+    peft_model = apply_lora(model, cfg, "actor.lora", seed=0).train()
+    with torch.no_grad():  # B starts at 0: make the adapter do something
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    assert unsupported_reason(peft_model) is None
+    hf = run(peft_model, TeacherForcing(), PROMPTS, RESPONSES)
+    lean = run(peft_model, TeacherForcing(lean=True), PROMPTS, RESPONSES)
+    assert_close(hf, lean)
+    assert any("lora_A" in n for n in lean[3]) and not any("base_layer" in n for n in lean[3])
+    with peft_model.disable_adapter(), torch.no_grad():
+        off = TeacherForcing(lean=True).log_probs(peft_model, PROMPTS, RESPONSES, 0.7, 0)[0]
+    base = TeacherForcing().log_probs(qwen2_gqa_tied(), PROMPTS, RESPONSES, 0.7, 0)[0]
+    assert (off - base).abs().max() <= TOL and (off - lean[0]).abs().max() > 1e-3
+
+
+def test_unsupported_falls_back_to_hf_bitwise():
+    model = qwen2_gqa_tied()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    assert unsupported_reason(model) == "gradient checkpointing is on"
+    with torch.no_grad():
+        a = TeacherForcing().log_probs(model, PROMPTS, RESPONSES, 1.0, 0)[0]
+        b = TeacherForcing(lean=True).log_probs(model, PROMPTS, RESPONSES, 1.0, 0)[0]
+    assert torch.equal(a, b)
+    assert unsupported_reason(qwen2_gqa_tied().to(torch.bfloat16)) == "weights are not fp32"
+    dropout = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                           num_attention_heads=2, attention_dropout=0.1))
+    assert unsupported_reason(dropout.eval()) is None and unsupported_reason(dropout.train()) == \
+        "attention dropout is in force"
+
+
+def test_config_key_reaches_every_pass():
+    assert teacher_forcing(build_config(None, ["actor.lean_forward=true"]).actor).lean is True
+    assert teacher_forcing(build_config(None, []).actor).lean is False
