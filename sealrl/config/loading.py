@@ -132,6 +132,12 @@ def check_config(cfg: Config) -> None:
     if cfg.rollout.max_staleness and cfg.placement.backend != "local":
         raise ConfigError("rollout.max_staleness > 0 needs placement.backend=local (the rollout retains the "
                           "versions generation may still use; a Ray replica pool does not yet)", "placement.backend")
+    if cfg.reward.stream and (not cfg.reward.num_scorers or cfg.placement.backend != "local" or
+                              (cfg.rollout.max_staleness and cfg.rollout.lane == "process")):   # trainer/streaming.py
+        raise ConfigError("reward.stream needs reward.num_scorers >= 1 (inline scoring would run between decode "
+                          "steps: nothing overlaps) and generation in this process (placement.backend=local, not "
+                          f"rollout.lane=process); got num_scorers={cfg.reward.num_scorers}, placement.backend="
+                          f"{cfg.placement.backend}, rollout.lane={cfg.rollout.lane}", "reward.stream")
     if cfg.rollout.lane == "process" and (cfg.actor.lora.rank or cfg.critic.lora.rank):   # placement/process_rollout.py
         raise ConfigError("rollout.lane=process with LoRA is not built yet (the process would need the pinned base)",
                           "rollout.lane")

@@ -300,6 +300,7 @@ class RewardConfig:  # docs/rewards.md; components and route are checked by seal
     route: dict = field(default_factory=dict)  # {data_source: fn}: that source's samples scored by that fn alone
     num_scorers: int = resumable(0)        # scorer processes (0 = in-process, no deadline)
     timeout_s: float = resumable(10.0)     # per-call deadline in worker processes
+    stream: bool = resumable(False)        # score each sample as it finishes, while others generate (num_scorers >= 1)
     format_pattern: str = ""               # fn=format: regex the whole answer must match (1.0, else 0.0)
     model_path: str = ""                   # fn=reward_model: HF sequence classifier folder, num_labels=1
     sandbox_wall_s: float = 5.0            # fn=code_exec: wall-clock seconds per test run

@@ -61,11 +61,12 @@ class Rollout:
         return self.engine.activate(self.engine.stage(state, manifest))
 
     def generate(self, requests: list[GenerationRequest], contract: SamplingContract,
-                 version: PolicyVersion) -> list[RolloutSample]:
-        """GENERATING(v): refuses any version other than the active one."""
+                 version: PolicyVersion, stream=None) -> list[RolloutSample]:
+        """GENERATING(v): refuses any version other than the active one. `stream(samples)`: the
+        samples finished so far, handed on while the others generate (reward.stream)."""
         if self.episodes is not None:
-            return self.episodes.generate(self.engine.generate, requests, contract, version)
-        return self.engine.generate(requests, contract, version)
+            return self.episodes.generate(self.engine.generate, requests, contract, version, stream)
+        return self.engine.generate(requests, contract, version, stream=stream)
 
     def take_recoveries(self) -> list[float]:
         """Seconds of each replica replacement (a replica pool's record): none in one process."""

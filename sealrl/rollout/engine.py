@@ -237,10 +237,12 @@ class RolloutEngine:
         self.activate(self.stage(state_dict, manifest))
 
     def generate(self, requests: list[GenerationRequest], contract: SamplingContract,
-                 version: PolicyVersion, kv: TurnCache | None = None) -> list[RolloutSample]:
+                 version: PolicyVersion, kv: TurnCache | None = None, stream=None) -> list[RolloutSample]:
         """Sample every requested candidate; samples come back in request, then candidate order.
         `kv`: an episode call's turn cache (turns.py): each row continues from the block its
-        previous turn kept, and keeps its own; bound to `version` (the lean backend only)."""
+        previous turn kept, and keeps its own; bound to `version` (the lean backend only).
+        `stream(samples)`: called after every decode step with the samples that finished at it
+        (often none), equal to those returned (reward.stream scores them meanwhile)."""
         started = time.perf_counter()  # finish_s is measured from here
         snap = self._active  # read once: this call uses this version to the end
         if snap is not None and snap.version != version:   # a retained earlier version (retain)
@@ -264,21 +266,26 @@ class RolloutEngine:
         seeds = [candidate_seed(req.seed, cand) for req, cand in rows]
         if kv is not None:
             kv.bind(snap.version, snap.backend)
+        filtered = contract.filtered
+
+        def sample(out, i: int) -> RolloutSample:
+            req, cand = rows[i]
+            return RolloutSample(sample_id(req.group_id, cand), req.group_id, cand, req.prompt_ids,
+                                 tuple(out.tokens[i]), tuple(out.log_probs[i]),
+                                 tuple(out.filtered_log_probs[i]) if filtered else None,
+                                 out.reasons[i], snap.version, seeds[i], out.finish_s[i])
+        # rows that stopped at a step are final (loop.py): handed on while the others decode
+        hook = None if stream is None else (lambda stopped, out: stream([sample(out, i) for i in stopped]))
         with torch.inference_mode():
             if kv is not None and isinstance(snap.backend, LeanBackend):
                 out = kv.decode(snap.backend, [(req.group_id, cand) for req, cand in rows],
                                 [req.prompt_ids for req, _ in rows], seeds, contract, self.device, self.eos_ids,
-                                StopChecker(self.tokenizer, contract.stop), started)
+                                StopChecker(self.tokenizer, contract.stop), started, on_step=hook)
             else:
                 out = decode_loop(snap.backend, prompts, [prompt_index[req.prompt_ids] for req, _ in rows],
                                   seeds, contract, self.device, self.eos_ids,
-                                  StopChecker(self.tokenizer, contract.stop), started)
-        filtered = contract.filtered
-        return [RolloutSample(sample_id(req.group_id, cand), req.group_id, cand, req.prompt_ids,
-                              tuple(out.tokens[i]), tuple(out.log_probs[i]),
-                              tuple(out.filtered_log_probs[i]) if filtered else None,
-                              out.reasons[i], snap.version, seeds[i], out.finish_s[i])
-                for i, (req, cand) in enumerate(rows)]
+                                  StopChecker(self.tokenizer, contract.stop), started, on_step=hook)
+        return [sample(out, i) for i in range(len(rows))]
 
 
 def _stage(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:

@@ -104,9 +104,11 @@ class EpisodeRunner:
         self.env = env if env is not None else make_env(spec.env, spec.tool_timeout_s)
 
     def generate(self, generate: Generate, requests: list[GenerationRequest], contract: SamplingContract,
-                 version) -> list[RolloutSample]:
+                 version, stream=None) -> list[RolloutSample]:
         """Play every (request, candidate) episode to its end; samples in request, candidate order.
-        `generate(requests, contract, version, kv=)` samples one turn (RolloutEngine.generate)."""
+        `generate(requests, contract, version, kv=)` samples one turn (RolloutEngine.generate).
+        `stream(samples)`: each episode's sample as soon as it ended (after its turn), and [] after
+        every decode step (RolloutEngine.generate's stream: a turn's sample is not final)."""
         episodes = [self._start(r, c) for r in requests for c in r.candidates]
         stops = tuple(dict.fromkeys(contract.stop + tuple(self.env.stops)))
         kv = TurnCache(version) if self.reuse_kv else None   # this call's version only
@@ -119,8 +121,11 @@ class EpisodeRunner:
                 turn_contract = dataclasses.replace(contract, max_new_tokens=budget, stop=stops)
                 reqs = [GenerationRequest(e.request.group_id, tuple(e.sequence), turn_seed(e.request.seed, turn),
                                           (e.candidate,)) for e in group]
-                for e, s in zip(group, generate(reqs, turn_contract, version, kv=kv)):
+                poll = {} if stream is None else {"stream": lambda _: stream([])}
+                for e, s in zip(group, generate(reqs, turn_contract, version, kv=kv, **poll)):
                     self._advance(e, s, turn)
+                if stream is not None:
+                    stream([self._sample(e, version, contract.filtered) for e in group if e.end is not None])
             if kv is not None:
                 kv.forget([(e.request.group_id, e.candidate) for e in live if e.end is not None])
         for e in episodes:   # the turn budget ran out while the environment wanted more
