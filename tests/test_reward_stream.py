@@ -220,3 +220,25 @@ def test_stream_config_is_checked():
         check_config(build_config(None, ["reward.stream=true", "reward.num_scorers=1", "rollout.max_staleness=1",
                                          "rollout.lane=process", "algorithm.correction=token_is"]))
     check_config(build_config(None, ["reward.stream=true", "reward.num_scorers=1"]))
+
+
+def test_episodes_stream_each_episode_as_it_ends():
+    """EpisodeRunner.generate(stream=): the same episodes as without it, each streamed once,
+    equal to the one returned, and no later than the decode step its last turn stopped at
+    (an episode ending early in a turn is handed on while the turn's other rows decode)."""
+    from sealrl.rollout.episodes import EpisodeRunner, EpisodeSpec
+    from tests.test_episodes import DigitEnv
+    model, tok = build_tiny_model(seed=0)
+    eng, version = make_engine(model, tok)
+    contract = SamplingContract(max_new_tokens=12)
+    reqs = [GenerationRequest("run/0/a", encode(tok, "12+34="), 5, (0, 1, 2)),
+            GenerationRequest("run/0/b", encode(tok, "7*8="), 6, (0, 1))]
+    plain = EpisodeRunner(EpisodeSpec("digits", max_turns=4, max_tokens=60), tok, env=DigitEnv())
+    runner = EpisodeRunner(EpisodeSpec("digits", max_turns=4, max_tokens=60), tok, env=DigitEnv())
+    calls = []
+    samples = runner.generate(eng.generate, reqs, contract, version, stream=calls.append)
+    assert samples == plain.generate(eng.generate, reqs, contract, version)
+    streamed = [s for c in calls for s in c]
+    ended = [s for s in samples if s.episode.end is not StopReason.MAX_TURNS]   # the turn budget: at the end
+    assert sorted(streamed, key=lambda s: s.sample_id) == sorted(ended, key=lambda s: s.sample_id)
+    assert len(ended) >= 1 and len({len(s.episode.turns) for s in samples}) > 1
