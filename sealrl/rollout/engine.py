@@ -27,6 +27,7 @@ often faster for small models, because every multi-threaded op waits for a busy 
 """
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from collections.abc import Mapping
@@ -43,6 +44,7 @@ from sealrl.rollout.backends import HFBackend, LeanBackend, make_backend, weight
 from sealrl.rollout.lean import lean_unsupported_reason
 from sealrl.rollout.loop import decode_loop
 from sealrl.rollout.sampling import candidate_seed
+from sealrl.rollout.scheduler import continuous, run_waves
 from sealrl.rollout.stops import StopChecker
 from sealrl.rollout.turns import TurnCache
 from sealrl.sync.adapter import AdapterManifest, merge_adapter, verify_adapter
@@ -135,6 +137,7 @@ class RolloutEngine:
         self._base: tuple[str, dict[str, Tensor]] | None = None   # LoRA: (hash, weights) of the pinned base
         self._retired: list[_Snapshot] = []     # earlier active versions still served (retain)
         self._retain = 1
+        self.max_rows, self.continuous = 0, False   # rollout.max_rows / continuous_batching (scheduler.py)
 
     def retain(self, versions: int) -> None:
         """Keep serving the last `versions` activated versions (1 = only the active one): an
@@ -281,6 +284,14 @@ class RolloutEngine:
                 out = kv.decode(snap.backend, [(req.group_id, cand) for req, cand in rows],
                                 [req.prompt_ids for req, _ in rows], seeds, contract, self.device, self.eos_ids,
                                 StopChecker(self.tokenizer, contract.stop), started, on_step=hook)
+            elif self.max_rows and len(rows) > self.max_rows:   # bounded rows: waves or continuous
+                args = (snap.backend, prompts, [prompt_index[req.prompt_ids] for req, _ in rows], seeds, contract,
+                        self.device, self.eos_ids, StopChecker(self.tokenizer, contract.stop), started)
+                per_request = [list(range(i, i + len(r.candidates)))
+                               for i, r in zip(itertools.accumulate([0] + [len(r.candidates) for r in requests]),
+                                               requests)]
+                lean = self.continuous and isinstance(snap.backend, LeanBackend)
+                out = (continuous if lean else run_waves)(*args, per_request, self.max_rows, on_step=hook)
             else:
                 out = decode_loop(snap.backend, prompts, [prompt_index[req.prompt_ids] for req, _ in rows],
                                   seeds, contract, self.device, self.eos_ids,
