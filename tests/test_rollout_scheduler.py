@@ -79,6 +79,19 @@ def test_continuous_streams_each_row_at_its_step(engine):
     assert streamed == sorted(got, key=lambda s: s.sample_id)
 
 
+def test_hf_backend_runs_waves():
+    """The HF fallback has no column layout to splice into: continuous_batching runs waves there."""
+    model, tok = build_tiny_model(seed=0)
+    eng, version = make_engine(model, tok, prefer_lean=False)
+    reqs = [GenerationRequest(f"r/0/{i}", encode(tok, t), seed=100 + i, candidates=(0, 1)) for i, t in enumerate(TEXTS)]
+    ref = eng.generate(reqs, CONTRACT, version)
+    eng.max_rows, eng.continuous = 5, True
+    got = eng.generate(reqs, CONTRACT, version)
+    assert [s.response_ids for s in got] == [s.response_ids for s in ref]
+    for a, b in zip(got, ref):
+        assert a.rollout_log_probs == pytest.approx(b.rollout_log_probs, abs=1e-5)
+
+
 def test_config_keys():
     cfg = build_config(None, ["rollout.max_rows=64", "rollout.continuous_batching=true"])
     assert (cfg.rollout.max_rows, cfg.rollout.continuous_batching) == (64, True)

@@ -157,7 +157,10 @@ def continuous(backend, prompts: list[tuple[int, ...]], group_of: list[int], see
     waiting, batch, alive, state, first = list(request_rows), None, [], [], {}
     step = 0
     while waiting or alive:
-        if waiting and (not alive or len(alive) + len(waiting[0]) <= max_rows):
+        # admit when a quarter of the rows are free (or none run): each admission is a prefill
+        # forward and a cache copy, about a decode step's cost, so admitting every freed group
+        # one at a time would cost more steps than it saves
+        if waiting and (not alive or len(alive) + max(len(waiting[0]), max_rows // 4) <= max_rows):
             new = []
             while waiting and (not alive and not new or len(alive) + len(new) + len(waiting[0]) <= max_rows):
                 new += waiting.pop(0)
@@ -183,7 +186,8 @@ def continuous(backend, prompts: list[tuple[int, ...]], group_of: list[int], see
         if not alive:   # every row stopped: the next requests start a fresh cache
             batch = None
             continue
-        batch.select(torch.tensor(nxt.parents, device=device))
+        if nxt.parents != list(range(batch.logits.shape[0])):   # states split or ended: new layout
+            batch.select(torch.tensor(nxt.parents, device=device))
         feed = torch.tensor(nxt.feed, device=device)
         batch.logits = backend.decode(batch.cache, feed, batch.col - batch.pad_len,
                                       batch.key_valid[:, :batch.col + 1])
