@@ -185,8 +185,11 @@ def _files(run: Path) -> list:
             for p in sorted((run / "experience").glob("iter_*.parquet"))]
 
 
-@pytest.mark.parametrize("policy", ["penalty", "retry"])
-def test_streamed_run_is_bitwise_the_unstreamed_run(tmp_path, monkeypatch, policy):
+ASYNC = ("rollout.max_staleness=1", "algorithm.correction=token_is")   # the generation thread streams too
+
+
+@pytest.mark.parametrize("policy,extra", [("penalty", ()), ("retry", ()), ("penalty", ASYNC)])
+def test_streamed_run_is_bitwise_the_unstreamed_run(tmp_path, monkeypatch, policy, extra):
     """Same weights, sealed experience (records with their error messages) and metrics; the
     erroring reward's samples are error records (penalised or retried) in both; and the
     streamed run's first scoring attempts did take every record from the stream."""
@@ -202,6 +205,7 @@ def test_streamed_run_is_bitwise_the_unstreamed_run(tmp_path, monkeypatch, polic
     for stream in ("false", "true"):
         summary = train(build_config(None, BASE + [f"reward.fn={tmp_path / 'rew.py'}:score",
                                                    f"algorithm.reward_error={policy}", f"reward.stream={stream}",
+                                                   *extra,
                                                    f"run.output_dir={tmp_path / stream}", "run.name=s"]))
         runs[stream] = (summary["weights_hash"], _files(tmp_path / stream / "s"), _numbers(tmp_path / stream / "s"))
     assert runs["true"] == runs["false"]
