@@ -223,6 +223,9 @@ def test_stream_config_is_checked():
     with pytest.raises(ConfigError, match="rollout.lane=process"):
         check_config(build_config(None, ["reward.stream=true", "reward.num_scorers=1", "rollout.max_staleness=1",
                                          "rollout.lane=process", "algorithm.correction=token_is"]))
+    with pytest.raises(ConfigError, match="rollout.partial=switch with reward.stream"):
+        check_config(build_config(None, ["reward.stream=true", "reward.num_scorers=1", "rollout.max_staleness=1",
+                                         "rollout.partial=switch", "algorithm.correction=token_is"]))
     check_config(build_config(None, ["reward.stream=true", "reward.num_scorers=1"]))
 
 

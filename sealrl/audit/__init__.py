@@ -6,9 +6,11 @@ for every trained sample (DESIGN sections 3-4), from the files alone, with no mo
     used_once        each sample trained once; each iteration consumed once (consumed.jsonl), by
                      a step never before the previous iteration's
     groups_complete  groups of exactly rollout.n candidates 0..n-1 of one prompt, ids consistent
-    policy_version   one declared version per iteration, of this run, committed at most
+    policy_version   one sampling version per iteration, of this run, committed at most
                      rollout.max_staleness versions before the one its update started from (0:
-                     just before it); the update took no more optimizer steps than its minibatches
+                     just before it); with partial rollouts, each token's version (token_versions)
+                     declared and the oldest within that bound; the update took no more optimizer
+                     steps than its minibatches
     masks            token-aligned lists as long as the response; log-probs finite and <= 0
     provenance       each field from a declared producer, at the version it must have
     rewards          errors carry no total and are never a score (except the explicit penalty)

@@ -19,7 +19,7 @@ from sealrl.audit.episodes import check_episodes
 from sealrl.audit.folder import IterationFile, RunFolder
 from sealrl.audit.ledger import SCORE_TOL, check_ledger
 from sealrl.audit.report import Violation
-from sealrl.audit.staleness import actor_step_before, committed_chain, staleness_problem, step_of
+from sealrl.audit.staleness import actor_step_before, committed_chain, row_oldest, staleness_problem, step_of
 from sealrl.config import ConfigError
 from sealrl.experience.fields import FIELDS, Align
 from sealrl.experience.ids import PolicyVersion, group_id, split_sample_id
@@ -179,6 +179,9 @@ def check_policy_version(run: RunFolder) -> Iterator[Violation]:
         if problem:
             yield v(f"sampled by {pv} (step {version.step}) but the version committed before this iteration "
                     f"is step {expected}: {problem}")
+        else:
+            yield from _token_versions(f, version.step, {PolicyVersion.from_json(d).step for d in declared.values()},
+                                       chain, expected, bound)
         consumed = f.one("consumed_step")
         # equal: every optimizer step of the iteration was skipped (non-finite gradients), so no
         # new version was committed; the next iteration's chain check then holds it to that
@@ -190,6 +193,19 @@ def check_policy_version(run: RunFolder) -> Iterator[Violation]:
             if consumed - expected > most:
                 yield v(f"{consumed - expected} optimizer steps consumed {f.num_rows} samples; "
                         f"actor.ppo_epochs x minibatches allow at most {most}")
+
+
+def _token_versions(f: IterationFile, step: int, declared: set[int], chain: list[int], actor: int,
+                    bound: int) -> Iterator[Violation]:
+    """Partial rollouts: every token's version declared, the first the sample's own, and the
+    staleness of the oldest within the bound (audit/staleness.py row_oldest)."""
+    for row in range(f.num_rows if "token_versions" in f.cols else 0):
+        oldest, wrong = row_oldest(f, row, step, declared)
+        problem = wrong or staleness_problem(chain, actor, oldest, bound)
+        if problem:
+            yield Violation("policy_version", f"token versions (oldest step {oldest}, the version committed before "
+                            f"this iteration is step {actor}): {problem}", f.iteration,
+                            sample_id=f.cols["sample_id"][row])
 
 
 def check_masks(run: RunFolder) -> Iterator[Violation]:
@@ -240,7 +256,7 @@ def check_provenance(run: RunFolder) -> Iterator[Violation]:
         for name in sorted(n for n in fields if column(n) not in c):
             yield v(f"field {name} is declared in the metadata but has no column")
         policy = f.one("policy_version")     # several versions: the policy_version check reports it
-        for name in ("response_mask", "rollout_log_probs", "filtered_log_probs"):
+        for name in ("response_mask", "rollout_log_probs", "filtered_log_probs", "token_versions"):
             if name in fields and policy is not None and fields[name].get("version") != policy:
                 yield v(f"{name} has version {fields[name].get('version')}, samples were drawn by {policy}")
         yield from _old_log_probs(f, fields, policy, algo.old_log_prob, v, actor_step_before(run, f.iteration)

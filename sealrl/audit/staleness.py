@@ -4,7 +4,9 @@ each sample and the consumption lines (experience/consumed.jsonl).
 The versions a run committed are the steps 0 and each iteration's consumed_step (an iteration
 whose optimizer steps were all skipped commits nothing new). Iteration i's update starts from
 the version iteration i-1 committed; a sample's staleness is how many committed versions lie
-after the one that sampled it, up to that one. rollout.max_staleness bounds it."""
+after the one that sampled it, up to that one. rollout.max_staleness bounds it. With partial
+rollouts (sealed `token_versions`, the step of each token's version) a sample's staleness is
+that of the oldest version among its tokens (`row_oldest`)."""
 from __future__ import annotations
 
 from sealrl.audit.folder import RunFolder
@@ -52,6 +54,21 @@ def step_of(version_id: str | None) -> int | None:
         return None
 
 
+def row_oldest(f, row: int, sampled_step: int, declared_steps: set[int]) -> tuple[int, str]:
+    """(the oldest step among row `row`'s tokens and its sealed policy version `sampled_step`,
+    why its token versions are wrong or "")."""
+    steps = (f.cols.get("token_versions") or [None] * f.num_rows)[row]
+    if not steps:
+        return sampled_step, ""
+    if steps[0] != sampled_step:
+        return min(sampled_step, *steps), (f"its first token was sampled by step {steps[0]}, "
+                                           f"the sample says {sampled_step}")
+    unknown = sorted(set(steps) - declared_steps)
+    if unknown:
+        return min(sampled_step, *steps), f"token versions {unknown} are not declared in the file's versions"
+    return min(steps), ""
+
+
 def staleness_distribution(run: RunFolder) -> dict[int, int]:
     """Realised staleness -> number of trained samples (iterations whose chain can be followed)."""
     from sealrl.experience.ids import PolicyVersion
@@ -61,7 +78,9 @@ def staleness_distribution(run: RunFolder) -> dict[int, int]:
         declared = f.meta.get("versions", {})
         if actor is None or pv not in declared:
             continue
-        age = staleness_of(chain, actor, PolicyVersion.from_json(declared[pv]).step)
-        if age is not None:
-            out[age] = out.get(age, 0) + f.num_rows
+        steps = {PolicyVersion.from_json(d).step for d in declared.values()}
+        for row in range(f.num_rows):
+            age = staleness_of(chain, actor, row_oldest(f, row, PolicyVersion.from_json(declared[pv]).step, steps)[0])
+            if age is not None:
+                out[age] = out.get(age, 0) + 1
     return dict(sorted(out.items()))

@@ -131,6 +131,7 @@ class RolloutConfig:
     max_staleness: int = 0                 # publications generation may lag the actor (0 = synchronous)
     device: str = "auto"                   # auto | cpu | cuda: where the rollout samples (auto: cuda when available)
     lane: str = resumable("thread")        # k >= 1: generation in a thread | process (its own; docs/async.md)
+    partial: str = "finish"                # k >= 1, a publication mid-generation: finish (old version) | switch (new)
     max_rows: int = 0                      # rows decoding at once (0 = all of a call); more wait (rollout/scheduler.py)
     continuous_batching: bool = False      # max_rows > 0: admit waiting requests into finished rows, not waves
 
@@ -144,6 +145,7 @@ class RolloutConfig:
         _check(self.device in DEVICES, "rollout.device", " | ".join(DEVICES), self.device)
         _check(self.max_staleness >= 0, "rollout.max_staleness", ">= 0 (0 = synchronous)", self.max_staleness)
         _check(self.lane in ("thread", "process"), "rollout.lane", "thread or process", self.lane)
+        _check(self.partial in ("finish", "switch"), "rollout.partial", "finish or switch", self.partial)
         _check(self.max_rows >= 0, "rollout.max_rows", ">= 0 (0 = every row of a call at once)", self.max_rows)
 
 

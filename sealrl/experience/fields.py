@@ -75,6 +75,9 @@ FIELDS: dict[str, FieldSpec] = {s.name: s for s in (
           "environment step rewards, each on the last policy token of its turn"),
     _spec("episodes", None, "sample", [R.ROLLOUT], "fact",
           "EpisodeRecord per sample: turns (sampled ids, stop reason, version, observation, status)"),
+    # partial rollouts (rollout.partial=switch, sealrl/rollout/switching.py); absent otherwise
+    _spec("token_versions", torch.int32, "token", [R.ROLLOUT], "fact",
+          "step of the policy version that sampled each response token (a declared version of the batch)"),
     _spec("zero_variance", torch.bool, "sample", [R.DRIVER], "derived",
           "sample belongs to a group whose scores have zero variance (advantage 0)"),
 )}

@@ -29,7 +29,7 @@ from sealrl.experience.ids import PolicyVersion
 from sealrl.experience.records import RewardRecord, Role, SamplingContract, StopReason
 
 _META_KEY = b"sealrl"
-_TORCH_TO_ARROW = {torch.float32: pa.float32(), torch.bool: pa.bool_()}
+_TORCH_TO_ARROW = {torch.float32: pa.float32(), torch.bool: pa.bool_(), torch.int32: pa.int32()}
 
 
 def iteration_path(folder: str | os.PathLike, iteration: int) -> Path:

@@ -74,6 +74,10 @@ class ProcessRollout:
     def generate(self, requests, contract, version):
         return self._call("generate", requests, contract, version)
 
+    def generate_switching(self, requests, contract, version, plan=None):
+        """rollout.partial=switch: the switch happens there, on the loads it receives meanwhile."""
+        return self._call("generate_switching", requests, contract, version, plan)
+
     def retain(self, versions: int) -> None:
         self._call("retain", versions)
 

@@ -10,6 +10,7 @@ import torch
 
 from sealrl.experience import PolicyVersion, SamplingContract
 from sealrl.models.precision import resolve_device
+from sealrl.rollout import switching
 from sealrl.rollout.engine import GenerationRequest, RolloutEngine, RolloutSample
 from sealrl.rollout.episodes import EpisodeRunner, EpisodeSpec
 from sealrl.sync.manifest import WeightManifest
@@ -70,6 +71,15 @@ class Rollout:
         if self.episodes is not None:
             return self.episodes.generate(self.engine.generate, requests, contract, version, stream)
         return self.engine.generate(requests, contract, version, stream=stream)
+
+    def generate_switching(self, requests: list[GenerationRequest], contract: SamplingContract,
+                           version: PolicyVersion, plan: dict | None = None) -> list[RolloutSample]:
+        """rollout.partial=switch: GENERATING(version), the running rows moving to a version
+        activated meanwhile (plan None), or at a replay's recorded tokens (plan: first token ->
+        PolicyVersion, waited for until it is loaded here): rollout/switching.py."""
+        switch = switching.live_switch(self.engine) if plan is None else \
+            switching.planned(plan, lambda v: switching.wait_held(self.engine, v))
+        return switching.generate_switching(self.engine, requests, contract, version, switch)
 
     def take_recoveries(self) -> list[float]:
         """Seconds of each replica replacement (a replica pool's record): none in one process."""

@@ -92,6 +92,9 @@ class RolloutSample:
     # the sealed record or of any digest.
     finish_s: float = field(default=0.0, compare=False)
     episode: EpisodeRecord | None = None          # multi-turn: the turns (rollout/episodes.py)
+    # Partial rollouts (rollout/switching.py): (first response token, PolicyVersion) of each run
+    # of tokens one version sampled, the first at 0 by policy_version; () = all by policy_version.
+    segments: tuple = ()
 
 
 class VersionNotHeldError(RuntimeError):
@@ -239,6 +242,29 @@ class RolloutEngine:
         """Stage, verify, activate: the single-engine path. Activates nothing on failure."""
         self.activate(self.stage(state_dict, manifest))
 
+    def serving(self, version: PolicyVersion | None = None) -> _Snapshot:
+        """The snapshot (version, backend) serving `version` (None: the active one), retained or
+        active; VersionNotHeldError when this replica does not hold it."""
+        snap = self._active  # read once
+        if version is not None and snap is not None and snap.version != version:
+            snap = next((r for r in self._retired if r.version == version), snap)
+        if snap is None or (version is not None and snap.version != version):
+            held = "nothing" if snap is None else str(snap.version)
+            raise VersionNotHeldError(f"asked to generate with {version}, this replica holds {held}")
+        return snap
+
+    def check_requests(self, requests: list[GenerationRequest]) -> None:
+        """ValueError on a (group_id, candidate) pair asked twice or a prompt token outside the
+        vocabulary: every generate path checks its requests here."""
+        keys = [(r.group_id, c) for r in requests for c in r.candidates]
+        if len(set(keys)) != len(keys):
+            raise ValueError("generate: a (group_id, candidate) pair is requested twice")
+        vocab = self._template.config.vocab_size
+        for r in requests:
+            if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= vocab:
+                raise ValueError(f"request {r.group_id}: prompt token outside the vocabulary "
+                                 f"[0, {vocab})")
+
     def generate(self, requests: list[GenerationRequest], contract: SamplingContract,
                  version: PolicyVersion, kv: TurnCache | None = None, stream=None) -> list[RolloutSample]:
         """Sample every requested candidate; samples come back in request, then candidate order.
@@ -247,22 +273,10 @@ class RolloutEngine:
         `stream(samples)`: called after every decode step with the samples that finished at it
         (often none), equal to those returned (reward.stream scores them meanwhile)."""
         started = time.perf_counter()  # finish_s is measured from here
-        snap = self._active  # read once: this call uses this version to the end
-        if snap is not None and snap.version != version:   # a retained earlier version (retain)
-            snap = next((r for r in self._retired if r.version == version), snap)
-        if snap is None or snap.version != version:
-            held = "nothing" if snap is None else str(snap.version)
-            raise VersionNotHeldError(f"asked to generate with {version}, this replica holds {held}")
-        keys = [(r.group_id, c) for r in requests for c in r.candidates]
-        if len(set(keys)) != len(keys):
-            raise ValueError("generate: a (group_id, candidate) pair is requested twice")
+        snap = self.serving(version)  # read once: this call uses this version to the end
+        self.check_requests(requests)
         if not requests:
             return []
-        vocab = self._template.config.vocab_size
-        for r in requests:
-            if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= vocab:
-                raise ValueError(f"request {r.group_id}: prompt token outside the vocabulary "
-                                 f"[0, {vocab})")
         prompts = list(dict.fromkeys(r.prompt_ids for r in requests))  # identical prompts: one
         prompt_index = {p: i for i, p in enumerate(prompts)}
         rows = [(req, cand) for req in requests for cand in req.candidates]

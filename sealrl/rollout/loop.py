@@ -128,7 +128,8 @@ def prefilled(backend, prompts: list[tuple[int, ...]], max_new: int, device: tor
 def decode_loop(backend, prompts: list[tuple[int, ...]], group_of: list[int], seeds: list[int],
                 contract: SamplingContract, device: torch.device, eos_ids: frozenset[int],
                 stops: StopChecker, started: float | None = None, start: Start | None = None,
-                keep=None, on_step=None) -> RowOutputs:
+                keep=None, first_step: int = 0, out: RowOutputs | None = None, interrupt=None,
+                on_step=None) -> RowOutputs:
     """Prefill each distinct prompt once, then sample all rows until every row stopped.
 
     prompts (G distinct prompt sequences); group_of[row] = index of the row's prompt;
@@ -137,6 +138,9 @@ def decode_loop(backend, prompts: list[tuple[int, ...]], group_of: list[int], se
     caller instead of the prefill (a continued turn, rollout/turns.py; prompts unused).
     `keep(cache, states, key_valid)`: called at each step where rows stop (their states), before
     the cache is compacted; what it returns per state is stored in RowOutputs.kept[row].
+    A continued segment (rollout/switching.py): `first_step` tokens of every row are already in
+    `out` and `start` holds the prefix; `interrupt(step)`, called once the step's tokens are in,
+    returns True to return with the running rows unfinished (reason None) before the next step.
     `on_step(rows, out)`: called after every step with the rows that stopped at it (often none),
     whose outputs in `out` are then final: a caller streams finished rows on (reward.stream) while others decode.
     """
@@ -147,11 +151,11 @@ def decode_loop(backend, prompts: list[tuple[int, ...]], group_of: list[int], se
     logits, cache, P, pad_len, key_valid = start.logits, start.cache, start.width, start.pad_len, start.key_valid
     noise = uniform_noise(torch.tensor(seeds, dtype=torch.int64, device=device),
                           torch.arange(max_new, device=device))  # (N, max_new) per row
-    out = RowOutputs.empty(len(seeds))
+    out = RowOutputs.empty(len(seeds)) if out is None else out
     alive, state = list(range(len(seeds))), list(group_of)
     stop_ids = frozenset(contract.stop_token_ids)
     work = Workspace(device)  # the sampler's full-vocabulary buffers, reused every step
-    for step in range(max_new):
+    for step in range(first_step, max_new):
         u = noise[torch.tensor(alive, device=device), step]  # (B,)
         tokens, lps, flps = sample_step(logits, torch.tensor(state, device=device), u,
                                         contract.temperature, contract.top_k, contract.top_p, work)
@@ -168,13 +172,13 @@ def decode_loop(backend, prompts: list[tuple[int, ...]], group_of: list[int], se
                 out.kept[row] = kept
         if on_step is not None:
             on_step(stopped_rows, out)
-        if not nxt.alive:
+        if not nxt.alive or (interrupt is not None and interrupt(step)):
             break
         if nxt.parents != list(range(logits.shape[0])):  # states split or ended: new layout
             parents = torch.tensor(nxt.parents, device=device)
             cache, pad_len = backend.select(cache, parents), pad_len[parents]
             key_valid = None if key_valid is None else key_valid.index_select(0, parents)
-        col = P + step  # cache column of the token being fed
+        col = P + step - first_step  # cache column of the token being fed
         step_valid = None if key_valid is None else key_valid[:, :col + 1]
         feed = torch.tensor(nxt.feed, device=device)
         logits = backend.decode(cache, feed, col - pad_len, step_valid)  # (U, V)

@@ -16,6 +16,7 @@ from sealrl.rollout.engine import RolloutSample
 from sealrl.trainer.derive import derive
 from sealrl.trainer.episodes import action_masks, put_episode_facts
 from sealrl.trainer.ledger import IterationLedger
+from sealrl.trainer.partial import put_token_versions, span_versions
 from sealrl.trainer.position import sealed_before
 
 
@@ -32,10 +33,11 @@ def build_batch(run, it: int, kept: dict[str, list[RolloutSample]], records: dic
                         ground_truth=json.dumps(prompt_of(s.group_id).ground_truth, sort_keys=True))
              for s in samples]
     contract = run.contract
-    batch = ExperienceBatch(run.cfg.run.name, it, metas, contract, [version])
+    batch = ExperienceBatch(run.cfg.run.name, it, metas, contract, span_versions(samples, version))
     width = batch.num_response_tokens
     batch.put("response_mask", pad_token_rows(action_masks(samples), width, torch.bool), Role.ROLLOUT, version.id)
     put_episode_facts(batch, samples, version.id)   # multi-turn only: observation holes, step rewards, turns
+    put_token_versions(batch, samples, version.id)  # partial rollouts only: the version of each token
     batch.put("rollout_log_probs", pad_token_rows([s.rollout_log_probs for s in samples], width, torch.float32),
               Role.ROLLOUT, version.id)
     if contract.filtered:

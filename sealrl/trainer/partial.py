@@ -1,0 +1,100 @@
+"""rollout.partial=switch: the generation lane's side of partial rollouts (docs/async.md).
+
+With `finish` (the default) a publication never touches a generation in flight: every response
+is sampled by the one version its iteration was given (the fixed lag, trainer/pipeline.py).
+With `switch`, the lane's generate calls go through rollout/switching.py: when the training
+lane publishes a version while an iteration is being generated, the rows still running go on
+under it from their next token (prefix prefilled again under the new version). Which token a
+switch lands on depends on timing, so it is recorded: each token's version is a sealed fact
+(`token_versions`, the step of the version that sampled it, every version declared in the
+batch), and a replay follows that record (`plan`) instead of the clock.
+
+The staleness of a sample is then the consuming actor's version minus the oldest version among
+its tokens, which is the version its iteration started from (a switch only moves to newer ones).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from sealrl.experience import ExperienceBatch, Role, pad_token_rows
+from sealrl.rollout import switching
+from sealrl.rollout.engine import RolloutSample
+from sealrl.rollout.switching import Switch, generate_switching, planned, token_steps
+
+
+def live_switch(engine, it: int) -> Switch:
+    """The clock's schedule for iteration `it` (rollout/switching.py live_switch); tests replace
+    it to force a switch at a chosen token."""
+    return switching.live_switch(engine)
+
+
+class SwitchingRollout:
+    """The lane's rollout role for one iteration: generate switches versions on publications
+    (`plan` None) or at a replay's recorded tokens; everything else is the wrapped role's."""
+
+    def __init__(self, rollout, it: int, plan: dict | None, resolve) -> None:
+        self._rollout, self._it, self._plan, self._resolve = rollout, it, plan, resolve
+
+    def generate(self, requests, contract, version) -> list[RolloutSample]:
+        role = self._rollout
+        if not hasattr(role, "engine"):   # the generation process (rollout.lane=process) switches there
+            return role.generate_switching(requests, contract, version, self._plan)
+        switch = live_switch(role.engine, self._it) if self._plan is None else planned(self._plan, self._resolve)
+        return generate_switching(role.engine, requests, contract, version, switch)
+
+    def __getattr__(self, name):
+        return getattr(self._rollout, name)
+
+
+def lane_run(run, it: int, plan: dict | None = None, resolve=None):
+    """`run` as the lane generates iteration `it` with: unchanged with rollout.partial=finish;
+    with switch, its rollout switches on publications, or follows a replay's recorded `plan`
+    (first token -> key; `resolve(key)` is the version, once the rollout holds it; in the
+    generation process the keys are the recorded versions and it waits for them there)."""
+    if run.cfg.rollout.partial != "switch":
+        return run
+    out = copy.copy(run)
+    out.roles = copy.copy(run.roles)
+    out.roles.rollout = SwitchingRollout(run.roles.rollout, it, plan, resolve)
+    return out
+
+
+def sample_versions(sample: RolloutSample) -> list:
+    """Every version that sampled a token of `sample`, oldest first."""
+    return [v for _, v in sample.segments] or [sample.policy_version]
+
+
+def span_versions(samples: list[RolloutSample], version) -> list:
+    """The batch's declared versions: `version` (its iteration's) and every later one a token has."""
+    later = {v.id: v for s in samples for v in sample_versions(s) if v.id != version.id}
+    return [version, *later.values()]
+
+
+def put_token_versions(batch: ExperienceBatch, samples: list[RolloutSample], version_id: str) -> None:
+    """The sealed per-token versions, when the samples carry segments (rollout.partial=switch)."""
+    if any(s.segments for s in samples):
+        batch.put("token_versions", pad_token_rows([token_steps(s) for s in samples], batch.num_response_tokens,
+                                                   torch.int32), Role.ROLLOUT, version_id)
+
+
+def recorded_plan(batch: ExperienceBatch) -> dict[int, int]:
+    """A sealed iteration's switch schedule, first token -> step of the version from there on
+    (one list for the iteration: its samples come from one generate call); {} when none switched.
+    ValueError when the samples' schedules disagree (e.g. a retried call switched elsewhere)."""
+    if not batch.has("token_versions"):
+        return {}
+    plan: dict[int, int] = {}
+    rows = batch.get("token_versions").tolist()
+    for s, row in zip(batch.samples, rows):
+        steps = row[:len(s.response_ids)]
+        for t in range(1, len(steps)):
+            if steps[t] != steps[t - 1] and plan.setdefault(t, steps[t]) != steps[t]:
+                raise ValueError(f"sample {s.sample_id} switches to step {steps[t]} at token {t}, another "
+                                 f"sample of the iteration to step {plan[t]}")
+    for s, row in zip(batch.samples, rows):   # a row that ran past a switch point took it
+        for t, step in plan.items():
+            if t < len(s.response_ids) and row[t] != step:
+                raise ValueError(f"sample {s.sample_id} did not switch at token {t} like the rest of the iteration")
+    return dict(sorted(plan.items()))
