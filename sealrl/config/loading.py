@@ -134,6 +134,15 @@ def check_config(cfg: Config) -> None:
                           "versions generation may still use; a Ray replica pool does not yet)", "placement.backend")
     if cfg.rollout.partial == "switch":   # partial rollouts (rollout/switching.py, docs/async.md)
         _check_switch(cfg)
+    if cfg.reward.stream and (not cfg.reward.num_scorers or cfg.placement.backend != "local" or
+                              (cfg.rollout.max_staleness and cfg.rollout.lane == "process")):   # trainer/streaming.py
+        raise ConfigError("reward.stream needs reward.num_scorers >= 1 (inline scoring would run between decode "
+                          "steps: nothing overlaps) and generation in this process (placement.backend=local, not "
+                          f"rollout.lane=process); got num_scorers={cfg.reward.num_scorers}, placement.backend="
+                          f"{cfg.placement.backend}, rollout.lane={cfg.rollout.lane}", "reward.stream")
+    if cfg.rollout.partial == "switch" and (cfg.reward.stream or cfg.rollout.max_rows):   # rollout/switching.py
+        raise ConfigError("rollout.partial=switch with reward.stream or rollout.max_rows is not built yet (its "
+                          "segments neither hand finished rows on nor bound the rows)", "rollout.partial")
     if cfg.rollout.lane == "process" and (cfg.actor.lora.rank or cfg.critic.lora.rank):   # placement/process_rollout.py
         raise ConfigError("rollout.lane=process with LoRA is not built yet (the process would need the pinned base)",
                           "rollout.lane")

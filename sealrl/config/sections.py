@@ -132,6 +132,8 @@ class RolloutConfig:
     device: str = "auto"                   # auto | cpu | cuda: where the rollout samples (auto: cuda when available)
     lane: str = resumable("thread")        # k >= 1: generation in a thread | process (its own; docs/async.md)
     partial: str = "finish"                # k >= 1, a publication mid-generation: finish (old version) | switch (new)
+    max_rows: int = 0                      # rows decoding at once (0 = all of a call); more wait (rollout/scheduler.py)
+    continuous_batching: bool = False      # max_rows > 0: admit waiting requests into finished rows, not waves
 
     def __post_init__(self):
         _check(self.n >= 1, "rollout.n", ">= 1", self.n)
@@ -144,6 +146,7 @@ class RolloutConfig:
         _check(self.max_staleness >= 0, "rollout.max_staleness", ">= 0 (0 = synchronous)", self.max_staleness)
         _check(self.lane in ("thread", "process"), "rollout.lane", "thread or process", self.lane)
         _check(self.partial in ("finish", "switch"), "rollout.partial", "finish or switch", self.partial)
+        _check(self.max_rows >= 0, "rollout.max_rows", ">= 0 (0 = every row of a call at once)", self.max_rows)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -303,6 +306,7 @@ class RewardConfig:  # docs/rewards.md; components and route are checked by seal
     route: dict = field(default_factory=dict)  # {data_source: fn}: that source's samples scored by that fn alone
     num_scorers: int = resumable(0)        # scorer processes (0 = in-process, no deadline)
     timeout_s: float = resumable(10.0)     # per-call deadline in worker processes
+    stream: bool = resumable(False)        # score each sample as it finishes, while others generate (num_scorers >= 1)
     format_pattern: str = ""               # fn=format: regex the whole answer must match (1.0, else 0.0)
     model_path: str = ""                   # fn=reward_model: HF sequence classifier folder, num_labels=1
     sandbox_wall_s: float = 5.0            # fn=code_exec: wall-clock seconds per test run

@@ -84,6 +84,7 @@ class RewardPool:
         self.startup_timeout_s = float(startup_timeout_s)
         self._scorers: list[_Worker] = []
         self._closed = False
+        self._streaming = False   # a ScoreStream is open: its requests hold the workers
         # Kills the workers if the pool is dropped without close(); holds the list, not self.
         self._finalizer = weakref.finalize(self, _shutdown, self._scorers)
         if num_scorers == 0:
@@ -111,14 +112,10 @@ class RewardPool:
         """One RewardRecord per sample, in input order; sample ids must be unique."""
         if self._closed:
             raise RuntimeError("RewardPool.score after close()")
+        if self._streaming:
+            raise RuntimeError("RewardPool.score while a ScoreStream is open (finish it first)")
         samples = list(samples)
-        ids = set()
-        for s in samples:
-            if not isinstance(s, RewardSample):
-                raise TypeError(f"RewardPool.score expects RewardSample, got {type(s).__name__}")
-            if s.sample_id in ids:
-                raise ValueError(f"RewardPool.score: duplicate sample_id {s.sample_id!r}")
-            ids.add(s.sample_id)
+        _check_samples(samples, set())
         if not samples:
             return []
         if self.num_scorers == 0:
@@ -132,6 +129,14 @@ class RewardPool:
             self.close()
             raise
         return [results[s.sample_id] for s in samples]
+
+    def stream(self) -> "ScoreStream":
+        """Score samples as they are handed in, while the caller goes on producing them."""
+        if self._closed:
+            raise RuntimeError("RewardPool.stream after close()")
+        if self._streaming:
+            raise RuntimeError("RewardPool.stream: a ScoreStream is already open")
+        return ScoreStream(self)
 
     def close(self) -> None:
         """Stop every worker (SIGKILL after a short grace); idempotent."""
@@ -154,34 +159,40 @@ class RewardPool:
 
     def _run(self, requests: deque[list[RewardSample]], results: dict[str, RewardRecord],
              until_ready: bool) -> None:
-        """Dispatch `requests` to ready workers and collect until all are answered.
+        """Dispatch `requests` to ready workers and collect until all are answered."""
+        while self._pump(requests, results, until_ready, block=True):
+            pass
 
-        Waits on every busy or booting worker's pipe, waking at the earliest deadline; a busy
-        worker past its deadline is killed and its request recorded as timeout.
+    def _pump(self, requests: deque[list[RewardSample]], results: dict[str, RewardRecord],
+              until_ready: bool, block: bool) -> bool:
+        """One round: dispatch to idle workers, collect what answered, enforce deadlines; False
+        when nothing is left to wait for. `block`: wait on every busy or booting worker's pipe,
+        waking at the earliest deadline; else only take what is there (a ScoreStream's poll).
+        A busy worker past its deadline is killed and its request recorded as timeout.
         """
-        while True:
-            for w in self._scorers:
-                if requests and w.ready and w.request is None:
-                    self._dispatch(w, requests)
-            busy = [w for w in self._scorers if w.request is not None]
-            booting = [w for w in self._scorers if not w.ready]
-            if not busy and not requests and not (until_ready and booting):
-                return
-            deadlines = [w.deadline for w in busy]
-            deadlines += [w.started + self.startup_timeout_s for w in booting]
-            timeout = max(0.0, min(deadlines) - time.monotonic())
-            by_conn = {w.conn: w for w in busy + booting}
-            for conn in wait(list(by_conn), timeout):
-                self._receive(by_conn[conn], requests, results)
-            now = time.monotonic()
-            for w in list(self._scorers):
-                if w.request is not None and w.deadline <= now:
-                    detail = (f"no result within the {self.timeout_s:g} s deadline"
-                              f"{_batch_note(w.request)}; worker pid {w.process.pid} killed")
-                    self._fail(w, RewardStatus.TIMEOUT, detail, results)
-                    self._replace(w)
-                elif not w.ready and w.started + self.startup_timeout_s <= now:
-                    self._broken(f"a worker did not start within {self.startup_timeout_s:g} s")
+        for w in self._scorers:
+            if requests and w.ready and w.request is None:
+                self._dispatch(w, requests)
+        busy = [w for w in self._scorers if w.request is not None]
+        booting = [w for w in self._scorers if not w.ready]
+        if not busy and not requests and not (until_ready and booting):
+            return False
+        deadlines = [w.deadline for w in busy]
+        deadlines += [w.started + self.startup_timeout_s for w in booting]
+        timeout = max(0.0, min(deadlines) - time.monotonic()) if block else 0.0
+        by_conn = {w.conn: w for w in busy + booting}
+        for conn in wait(list(by_conn), timeout):
+            self._receive(by_conn[conn], requests, results)
+        now = time.monotonic()
+        for w in list(self._scorers):
+            if w.request is not None and w.deadline <= now:
+                detail = (f"no result within the {self.timeout_s:g} s deadline"
+                          f"{_batch_note(w.request)}; worker pid {w.process.pid} killed")
+                self._fail(w, RewardStatus.TIMEOUT, detail, results)
+                self._replace(w)
+            elif not w.ready and w.started + self.startup_timeout_s <= now:
+                self._broken(f"a worker did not start within {self.startup_timeout_s:g} s")
+        return True
 
     def _dispatch(self, w: _Worker, requests: deque[list[RewardSample]]) -> None:
         request = requests.popleft()
@@ -255,6 +266,71 @@ class RewardPool:
     def _broken(self, reason: str) -> None:
         self.close()
         raise RuntimeError(f"RewardPool for scorer {self.fn.name!r} is broken and closed: {reason}")
+
+
+class ScoreStream:
+    """Samples handed to the pool while their producer goes on (RewardPool.stream): `add`
+    dispatches them to idle workers and takes whatever answers are there, without waiting;
+    `finish` waits for the rest and returns one record per sample added, in the order added.
+
+    The records are those score() gives the same samples: each is scored alone by the same
+    worker code, under the same deadline counted from its dispatch (a deadline passes only
+    while the caller is between two calls if the worker really has not answered: an answer
+    waiting in its pipe is taken before deadlines are checked). Only scorer processes stream;
+    inline (num_scorers=0) and batch scorers (a reward model, whose chunks and padding must be
+    score()'s) score everything in finish(), as score() would.
+    While a stream is open the pool refuses score() and stream(): answers join by sample id.
+    """
+
+    def __init__(self, pool: RewardPool) -> None:
+        self.pool = pool
+        self.live = pool.num_scorers > 0 and not isinstance(pool.fn, BatchRewardFunction)
+        self._samples: dict[str, RewardSample] = {}
+        self._requests: deque[list[RewardSample]] = deque()
+        self._results: dict[str, RewardRecord] = {}
+        pool._streaming = True
+
+    def add(self, samples: Iterable[RewardSample]) -> None:
+        """Hand in more samples (none: only take answers and dispatch waiting samples)."""
+        samples = list(samples)
+        _check_samples(samples, self._samples.keys())
+        self._samples.update((s.sample_id, s) for s in samples)
+        if self.live:
+            self._requests.extend([s] for s in samples)
+            self._guarded(lambda: self.pool._pump(self._requests, self._results, until_ready=False,
+                                                  block=False))
+
+    def finish(self) -> dict[str, RewardRecord]:
+        """Wait for every sample added; its record by sample id. The pool is free again."""
+        try:
+            if not self.live:
+                self.pool._streaming = False
+                samples = list(self._samples.values())
+                return dict(zip(self._samples, self.pool.score(samples), strict=True))
+            self._guarded(lambda: self.pool._run(self._requests, self._results, until_ready=False))
+            return {i: self._results[i] for i in self._samples}
+        finally:
+            self.pool._streaming = False
+
+    def _guarded(self, call) -> None:
+        try:
+            call()
+        except BaseException:
+            # as in score(): requests in flight must never be joined into a later batch
+            self.pool._streaming = False
+            self.pool.close()
+            raise
+
+
+def _check_samples(samples: list[RewardSample], ids) -> None:
+    """RewardSamples with sample ids unique among themselves and not in `ids`."""
+    seen = set()
+    for s in samples:
+        if not isinstance(s, RewardSample):
+            raise TypeError(f"RewardPool.score expects RewardSample, got {type(s).__name__}")
+        if s.sample_id in seen or s.sample_id in ids:
+            raise ValueError(f"RewardPool.score: duplicate sample_id {s.sample_id!r}")
+        seen.add(s.sample_id)
 
 
 def _batch_note(request: Sequence[RewardSample]) -> str:

@@ -17,11 +17,31 @@ class Reward:
         """items: (sample, prompt text, response text, ground truth, data source, extra info). Returns
         (sample id, record) pairs, which the driver joins by sample id (the pool returns one
         record per sample in input order; a batch scorer's wrong count is an error per sample)."""
-        samples = [RewardSample(sample_id=s.sample_id, prompt=prompt, response=response,
-                                response_ids=tuple(s.response_ids), ground_truth=truth,
-                                data_source=source, metadata=extra)
-                   for s, prompt, response, truth, source, extra in items]
+        samples = [_reward_sample(item) for item in items]
         return [(s.sample_id, r) for s, r in zip(samples, self.pool.score(samples), strict=True)]
+
+    def stream(self) -> "RewardStream":
+        """Score items as they are handed in, while the rollout still generates (reward.stream)."""
+        return RewardStream(self.pool.stream())
 
     def close(self) -> None:
         self.pool.close()
+
+
+class RewardStream:
+    """`add(items)` as samples finish; `finish()` -> record per sample id (RewardPool.stream)."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def add(self, items: list[tuple]) -> None:
+        self._stream.add([_reward_sample(item) for item in items])
+
+    def finish(self) -> dict[str, RewardRecord]:
+        return self._stream.finish()
+
+
+def _reward_sample(item: tuple) -> RewardSample:
+    s, prompt, response, truth, source, extra = item
+    return RewardSample(sample_id=s.sample_id, prompt=prompt, response=response, response_ids=tuple(s.response_ids),
+                        ground_truth=truth, data_source=source, metadata=extra)

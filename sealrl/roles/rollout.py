@@ -17,12 +17,15 @@ from sealrl.sync.manifest import WeightManifest
 
 
 class Rollout:
-    def __init__(self, model, tokenizer, device: str = "cpu", episodes: EpisodeSpec | None = None):
+    def __init__(self, model, tokenizer, device: str = "cpu", episodes: EpisodeSpec | None = None,
+                 rows: tuple[int, bool] = (0, False)):
         """`device`: auto | cpu | cuda, where the engine's weights live and it samples (resolved
         here, in the process hosting the role); the weights are verified on their CPU copy in
         the rollout's dtype, which the device then receives bit for bit. `episodes`: multi-turn
-        rollouts against that environment (rollout/episodes.py)."""
+        rollouts against that environment (rollout/episodes.py). `rows`: (rollout.max_rows,
+        rollout.continuous_batching), how many rows decode at once and how (rollout/scheduler.py)."""
         self.engine = RolloutEngine(model, tokenizer, device=resolve_device(device, "rollout.device"))
+        self.engine.max_rows, self.engine.continuous = rows
         self.episodes = None if episodes is None else EpisodeRunner(episodes, tokenizer)
 
     @property
@@ -62,11 +65,12 @@ class Rollout:
         return self.engine.activate(self.engine.stage(state, manifest))
 
     def generate(self, requests: list[GenerationRequest], contract: SamplingContract,
-                 version: PolicyVersion) -> list[RolloutSample]:
-        """GENERATING(v): refuses any version other than the active one."""
+                 version: PolicyVersion, stream=None) -> list[RolloutSample]:
+        """GENERATING(v): refuses any version other than the active one. `stream(samples)`: the
+        samples finished so far, handed on while the others generate (reward.stream)."""
         if self.episodes is not None:
-            return self.episodes.generate(self.engine.generate, requests, contract, version)
-        return self.engine.generate(requests, contract, version)
+            return self.episodes.generate(self.engine.generate, requests, contract, version, stream)
+        return self.engine.generate(requests, contract, version, stream=stream)
 
     def generate_switching(self, requests: list[GenerationRequest], contract: SamplingContract,
                            version: PolicyVersion, plan: dict | None = None) -> list[RolloutSample]:

@@ -27,6 +27,7 @@ often faster for small models, because every multi-threaded op waits for a busy 
 """
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from collections.abc import Mapping
@@ -43,6 +44,7 @@ from sealrl.rollout.backends import HFBackend, LeanBackend, make_backend, weight
 from sealrl.rollout.lean import lean_unsupported_reason
 from sealrl.rollout.loop import decode_loop
 from sealrl.rollout.sampling import candidate_seed
+from sealrl.rollout.scheduler import continuous, run_waves
 from sealrl.rollout.stops import StopChecker
 from sealrl.rollout.turns import TurnCache
 from sealrl.sync.adapter import AdapterManifest, merge_adapter, verify_adapter
@@ -138,6 +140,7 @@ class RolloutEngine:
         self._base: tuple[str, dict[str, Tensor]] | None = None   # LoRA: (hash, weights) of the pinned base
         self._retired: list[_Snapshot] = []     # earlier active versions still served (retain)
         self._retain = 1
+        self.max_rows, self.continuous = 0, False   # rollout.max_rows / continuous_batching (scheduler.py)
 
     def retain(self, versions: int) -> None:
         """Keep serving the last `versions` activated versions (1 = only the active one): an
@@ -263,10 +266,12 @@ class RolloutEngine:
                                  f"[0, {vocab})")
 
     def generate(self, requests: list[GenerationRequest], contract: SamplingContract,
-                 version: PolicyVersion, kv: TurnCache | None = None) -> list[RolloutSample]:
+                 version: PolicyVersion, kv: TurnCache | None = None, stream=None) -> list[RolloutSample]:
         """Sample every requested candidate; samples come back in request, then candidate order.
         `kv`: an episode call's turn cache (turns.py): each row continues from the block its
-        previous turn kept, and keeps its own; bound to `version` (the lean backend only)."""
+        previous turn kept, and keeps its own; bound to `version` (the lean backend only).
+        `stream(samples)`: called after every decode step with the samples that finished at it
+        (often none), equal to those returned (reward.stream scores them meanwhile)."""
         started = time.perf_counter()  # finish_s is measured from here
         snap = self.serving(version)  # read once: this call uses this version to the end
         self.check_requests(requests)
@@ -278,21 +283,34 @@ class RolloutEngine:
         seeds = [candidate_seed(req.seed, cand) for req, cand in rows]
         if kv is not None:
             kv.bind(snap.version, snap.backend)
+        filtered = contract.filtered
+
+        def sample(out, i: int) -> RolloutSample:
+            req, cand = rows[i]
+            return RolloutSample(sample_id(req.group_id, cand), req.group_id, cand, req.prompt_ids,
+                                 tuple(out.tokens[i]), tuple(out.log_probs[i]),
+                                 tuple(out.filtered_log_probs[i]) if filtered else None,
+                                 out.reasons[i], snap.version, seeds[i], out.finish_s[i])
+        # rows that stopped at a step are final (loop.py): handed on while the others decode
+        hook = None if stream is None else (lambda stopped, out: stream([sample(out, i) for i in stopped]))
         with torch.inference_mode():
             if kv is not None and isinstance(snap.backend, LeanBackend):
                 out = kv.decode(snap.backend, [(req.group_id, cand) for req, cand in rows],
                                 [req.prompt_ids for req, _ in rows], seeds, contract, self.device, self.eos_ids,
-                                StopChecker(self.tokenizer, contract.stop), started)
+                                StopChecker(self.tokenizer, contract.stop), started, on_step=hook)
+            elif self.max_rows and len(rows) > self.max_rows:   # bounded rows: waves or continuous
+                args = (snap.backend, prompts, [prompt_index[req.prompt_ids] for req, _ in rows], seeds, contract,
+                        self.device, self.eos_ids, StopChecker(self.tokenizer, contract.stop), started)
+                per_request = [list(range(i, i + len(r.candidates)))
+                               for i, r in zip(itertools.accumulate([0] + [len(r.candidates) for r in requests]),
+                                               requests)]
+                lean = self.continuous and isinstance(snap.backend, LeanBackend)
+                out = (continuous if lean else run_waves)(*args, per_request, self.max_rows, on_step=hook)
             else:
                 out = decode_loop(snap.backend, prompts, [prompt_index[req.prompt_ids] for req, _ in rows],
                                   seeds, contract, self.device, self.eos_ids,
-                                  StopChecker(self.tokenizer, contract.stop), started)
-        filtered = contract.filtered
-        return [RolloutSample(sample_id(req.group_id, cand), req.group_id, cand, req.prompt_ids,
-                              tuple(out.tokens[i]), tuple(out.log_probs[i]),
-                              tuple(out.filtered_log_probs[i]) if filtered else None,
-                              out.reasons[i], snap.version, seeds[i], out.finish_s[i])
-                for i, (req, cand) in enumerate(rows)]
+                                  StopChecker(self.tokenizer, contract.stop), started, on_step=hook)
+        return [sample(out, i) for i in range(len(rows))]
 
 
 def _stage(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:

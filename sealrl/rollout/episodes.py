@@ -87,6 +87,7 @@ class _Episode:
     end: StopReason | None = None
     seed: int = 0
     finish_s: float = 0.0
+    advanced: int = -1                               # the last turn appended (_advance)
 
     @property
     def num_response(self) -> int:
@@ -104,9 +105,13 @@ class EpisodeRunner:
         self.env = env if env is not None else make_env(spec.env, spec.tool_timeout_s)
 
     def generate(self, generate: Generate, requests: list[GenerationRequest], contract: SamplingContract,
-                 version) -> list[RolloutSample]:
+                 version, stream=None) -> list[RolloutSample]:
         """Play every (request, candidate) episode to its end; samples in request, candidate order.
-        `generate(requests, contract, version, kv=)` samples one turn (RolloutEngine.generate)."""
+        `generate(requests, contract, version, kv=)` samples one turn (RolloutEngine.generate).
+        `stream(samples)`: after every decode step, the samples of the episodes that ended at it
+        (reward.stream). Each episode's turn then goes to the environment as soon as the turn's
+        row stops, not once the whole turn's batch did: the same calls per episode (an
+        environment keeps its state per episode), in the order rows stop."""
         episodes = [self._start(r, c) for r in requests for c in r.candidates]
         stops = tuple(dict.fromkeys(contract.stop + tuple(self.env.stops)))
         kv = TurnCache(version) if self.reuse_kv else None   # this call's version only
@@ -119,8 +124,10 @@ class EpisodeRunner:
                 turn_contract = dataclasses.replace(contract, max_new_tokens=budget, stop=stops)
                 reqs = [GenerationRequest(e.request.group_id, tuple(e.sequence), turn_seed(e.request.seed, turn),
                                           (e.candidate,)) for e in group]
-                for e, s in zip(group, generate(reqs, turn_contract, version, kv=kv)):
-                    self._advance(e, s, turn)
+                hook = {} if stream is None else {"stream": self._streamed(group, turn, version, contract, stream)}
+                for e, s in zip(group, generate(reqs, turn_contract, version, kv=kv, **hook)):
+                    if e.advanced < turn:   # reward.stream advances each episode as its turn ends
+                        self._advance(e, s, turn)
             if kv is not None:
                 kv.forget([(e.request.group_id, e.candidate) for e in live if e.end is not None])
         for e in episodes:   # the turn budget ran out while the environment wanted more
@@ -130,6 +137,21 @@ class EpisodeRunner:
 
     def close(self) -> None:
         self.env.close()
+
+    def _streamed(self, group: list, turn: int, version, contract: SamplingContract, stream) -> Callable:
+        """The engine's stream hook for one turn of `group`: advance each episode whose turn
+        row stopped, and hand on the samples of those that ended."""
+        by_key = {(e.request.group_id, e.candidate): e for e in group}
+
+        def on_step(samples: list[RolloutSample]) -> None:
+            ended = []
+            for s in samples:
+                e = by_key[(s.group_id, s.candidate)]
+                self._advance(e, s, turn)
+                if e.end is not None:
+                    ended.append(self._sample(e, version, contract.filtered))
+            stream(ended)
+        return on_step
 
     # ---- one episode -----------------------------------------------------------------------
     def _start(self, request: GenerationRequest, candidate: int) -> _Episode:
@@ -145,6 +167,7 @@ class EpisodeRunner:
 
     def _advance(self, e: _Episode, s: RolloutSample, turn: int) -> None:
         """Append the sampled turn; ask the environment unless the turn hit its budget."""
+        e.advanced = turn
         ids = tuple(s.response_ids)
         e.sequence += ids
         e.log_probs += s.rollout_log_probs

@@ -128,7 +128,8 @@ def prefilled(backend, prompts: list[tuple[int, ...]], max_new: int, device: tor
 def decode_loop(backend, prompts: list[tuple[int, ...]], group_of: list[int], seeds: list[int],
                 contract: SamplingContract, device: torch.device, eos_ids: frozenset[int],
                 stops: StopChecker, started: float | None = None, start: Start | None = None,
-                keep=None, first_step: int = 0, out: RowOutputs | None = None, interrupt=None) -> RowOutputs:
+                keep=None, first_step: int = 0, out: RowOutputs | None = None, interrupt=None,
+                on_step=None) -> RowOutputs:
     """Prefill each distinct prompt once, then sample all rows until every row stopped.
 
     prompts (G distinct prompt sequences); group_of[row] = index of the row's prompt;
@@ -140,6 +141,8 @@ def decode_loop(backend, prompts: list[tuple[int, ...]], group_of: list[int], se
     A continued segment (rollout/switching.py): `first_step` tokens of every row are already in
     `out` and `start` holds the prefix; `interrupt(step)`, called once the step's tokens are in,
     returns True to return with the running rows unfinished (reason None) before the next step.
+    `on_step(rows, out)`: called after every step with the rows that stopped at it (often none),
+    whose outputs in `out` are then final: a caller streams finished rows on (reward.stream) while others decode.
     """
     started = time.perf_counter() if started is None else started
     max_new = contract.max_new_tokens
@@ -159,13 +162,16 @@ def decode_loop(backend, prompts: list[tuple[int, ...]], group_of: list[int], se
         nxt = _record(out, alive, state, tokens, lps, flps, step == max_new - 1, eos_ids,
                       stop_ids, stops)
         now = time.perf_counter() - started
-        for row in set(alive).difference(nxt.alive):  # rows that stopped at this step
+        stopped_rows = sorted(set(alive).difference(nxt.alive))  # rows that stopped at this step
+        for row in stopped_rows:
             out.finish_s[row] = now
         if keep is not None and len(nxt.alive) < len(alive):
             going = set(nxt.alive)
             stopped = [(row, state[i]) for i, row in enumerate(alive) if row not in going]
             for (row, _), kept in zip(stopped, keep(cache, [s for _, s in stopped], key_valid)):
                 out.kept[row] = kept
+        if on_step is not None:
+            on_step(stopped_rows, out)
         if not nxt.alive or (interrupt is not None and interrupt(step)):
             break
         if nxt.parents != list(range(logits.shape[0])):  # states split or ended: new layout

@@ -111,7 +111,8 @@ class TurnCache:
         return m, None if block is None else block[:m]
 
     def decode(self, backend, keys: list[tuple[str, int]], prompts: list[tuple[int, ...]], seeds: list[int],
-               contract, device: torch.device, eos_ids: frozenset[int], stops, started: float) -> RowOutputs:
+               contract, device: torch.device, eos_ids: frozenset[int], stops, started: float, on_step=None
+               ) -> RowOutputs:
         """decode_loop over rows `keys` (prompt, seed each), reusing and then keeping their blocks."""
         splits = [self._split(k, p) for k, p in zip(keys, prompts)]
         # Rows with the same sequence share one state, as identical prompts do in a prefill (a
@@ -124,7 +125,7 @@ class TurnCache:
         if not any(m for m, _ in distinct.values()):    # a first turn: each distinct prompt prefilled once
             self.fed_tokens += sum(len(p) for p in distinct)
             out = decode_loop(backend, list(distinct), [index[p] for p in prompts], seeds, contract, device,
-                              eos_ids, stops, started, keep=keep_rows)
+                              eos_ids, stops, started, keep=keep_rows, on_step=on_step)
         else:
             blocks = [b if m else None for m, b in distinct.values()]
             feeds = [p[m:] for p, (m, _) in distinct.items()]
@@ -132,7 +133,7 @@ class TurnCache:
             self.reused_tokens += sum(m for m, _ in distinct.values())
             start = continued(backend.lm, blocks, feeds, contract.max_new_tokens, device)
             out = decode_loop(backend, [], [index[p] for p in prompts], seeds, contract, device, eos_ids, stops,
-                              started, start=start, keep=keep_rows)
+                              started, start=start, keep=keep_rows, on_step=on_step)
         for k, p, tokens, block in zip(keys, prompts, out.tokens, out.kept):
             covered = p + tuple(tokens[:-1])
             assert block.shape[0] == len(covered), (block.shape, len(covered))   # the block is its ids

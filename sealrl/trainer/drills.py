@@ -73,9 +73,9 @@ class _Rollout(_Wrapper):
         super().__init__(inner)
         object.__setattr__(self, "clock", clock)
 
-    def generate(self, requests, contract, version):
+    def generate(self, requests, contract, version, **stream):   # reward.stream's hook passes through
         it = _iteration_of(requests[0].group_id) if requests else -1
-        return _deliver("generate", it, lambda: self.inner.generate(requests, contract, version))
+        return _deliver("generate", it, lambda: self.inner.generate(requests, contract, version, **stream))
 
     def load(self, state, manifest):
         if faults.point("weight_sync", self.clock.publishing) == "corrupt":

@@ -42,6 +42,7 @@ from sealrl.trainer.iteration_metrics import rollout_metrics, stage_io_metrics
 from sealrl.trainer.ledger import IterationLedger, new_iteration
 from sealrl.trainer.partial import lane_run, sample_versions
 from sealrl.trainer.remax import greedy_baselines
+from sealrl.trainer.streaming import early_scores
 
 
 @dataclass
@@ -71,11 +72,12 @@ def produce(run, it: int, indices: list[int], version) -> Produced:
                                      prompts)
     prompt_map = dict(zip(requests, prompts))
     roles.rollout.take_served()   # forget who served the evaluation's calls
-    with run.stage("generate", "rollout"):
-        groups = generate(run, ledger, requests, version)
-    served = roles.rollout.take_served()   # a replica pool: which replica served which sample id
-    with run.stage("reward", "reward"):
-        texts, records, kept = decode_and_score(run, ledger, groups, prompt_map.__getitem__)
+    with early_scores(run, prompt_map.__getitem__) as early:   # reward.stream: scored as they finish
+        with run.stage("generate", "rollout"):
+            groups = generate(run, ledger, requests, version, early)
+        served = roles.rollout.take_served()   # a replica pool: which replica served which sample id
+        with run.stage("reward", "reward"):
+            texts, records, kept = decode_and_score(run, ledger, groups, prompt_map.__getitem__, early)
     if cfg.algorithm.dynamic_sampling:   # DAPO: filter zero-variance groups, over-sample more rounds
         kept = oversample(run, it, version, ledger, groups, records, kept, prompt_map, texts, served)
     baselines = None

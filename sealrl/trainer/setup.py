@@ -205,7 +205,8 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
     if cfg.placement.actor_ranks > 1:
         actor = data_parallel_role(cfg, "actor", make_actor, actor, closers, shared)
     episodes = episode_spec(cfg)
-    rollout = Rollout(template, tokenizer, cfg.rollout.device, episodes=episodes) \
+    rows = (cfg.rollout.max_rows, cfg.rollout.continuous_batching)   # rollout/scheduler.py
+    rollout = Rollout(template, tokenizer, cfg.rollout.device, episodes=episodes, rows=rows) \
         if cfg.placement.backend == "local" else ray_rollout_pool(cfg, model, tokenizer, closers, shared, episodes)
     if episodes is not None and cfg.placement.backend == "local":   # the local role's tool worker
         closers.append(rollout.episodes.close)
@@ -233,7 +234,7 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
             critic = data_parallel_role(cfg, "critic", make_critic, critic, closers)
     reward = Reward(build_reward_fn(cfg), cfg.reward.num_scorers, cfg.reward.timeout_s)
     return Roles(actor, rollout, reward, reference, critic, tokenizer, closers,
-                 functools.partial(Rollout, template, tokenizer, episodes=episodes))
+                 functools.partial(Rollout, template, tokenizer, episodes=episodes, rows=rows))
 
 
 def shared_pool(cfg: Config, closers: list):
@@ -312,7 +313,8 @@ def ray_rollout_pool(cfg: Config, model, tokenizer, closers: list, shared=None, 
         closers.append(pool.close)
     threads = max(1, int(p.cpus_per_replica / len(spec.roles)))
     # the structure only (weights arrive by sync): nothing of the actor's device is pickled
-    make = functools.partial(Rollout, weightless_template(model), tokenizer, cfg.rollout.device, episodes=episodes)
+    make = functools.partial(Rollout, weightless_template(model), tokenizer, cfg.rollout.device, episodes=episodes,
+                             rows=(cfg.rollout.max_rows, cfg.rollout.continuous_batching))
     group = RayWorkerGroup("rollout", make, pool,
                            timeout_s=p.timeout_s, threads=threads)
     rollout = RolloutPool(group, timeout_s=p.timeout_s)
