@@ -149,7 +149,7 @@ def publish(run: Run):
     with run.stage("weight_sync", "rollout"):
         state, manifest = in_dtype(*run.roles.actor.export(), run.cfg.rollout.dtype)  # checksums over what loads
         run.sync_bytes = sync_bytes(state)   # with LoRA, the adapter's tensors only
-        run.last_weights = state
+        run.last_weights = state if run.cfg.rollout.max_staleness else None   # only an async lane keeps them
         run.to(Phase.EXPORTING, manifest.version.id)
         run.to(Phase.ROLLOUT_LOADING, manifest.version.id)
         version = run.roles.rollout.load(state, manifest)
