@@ -3,6 +3,7 @@ learning-rate schedule, and the one optimizer step of the actor and the critic."
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -59,17 +60,54 @@ def clone_state(x):
     return x
 
 
-def snapshot(role) -> dict:
+class Snapshot:
     """A training role's committed state (weights, optimizer, counters), to restore if an
-    update fails. With LoRA only the trainable tensors: the base never changes."""
-    return {"model": clone_state(trainable_state(role.model)), "optim": clone_state(role.optimizer.state_dict()),
-            "step": role.step, "skipped": role.skipped_steps}
+    update fails; with LoRA only the trainable tensors (the base never changes).
+
+    Weights and optimizer state change only in an optimizer step, so their copy is taken
+    lazily, by `optimizer_step`, just before the first step after the snapshot: once the
+    update's forward and backward are done, so the copy is never alive beside their
+    activations, and an update that fails before stepping copies nothing. Until then the
+    committed tensors are the live ones; `restore` checks that (`_marks`) and refuses to
+    restore a state that changed in place or was replaced without a step."""
+
+    def __init__(self, role) -> None:
+        self.step, self.skipped = role.step, role.skipped_steps
+        self.model: dict | None = None   # the copies, once an optimizer step is about to run
+        self.optim: dict | None = None
+        self.marks = _marks(role.model, role.optimizer)
+        _PENDING[role.optimizer] = weakref.ref(self)   # the newest snapshot of an optimizer is filled
+
+    def fill(self, model, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optim = clone_state(trainable_state(model)), clone_state(optimizer.state_dict())
 
 
-def restore(role, snap: dict) -> None:
-    load_trainable_state(role.model, snap["model"])
-    role.optimizer.load_state_dict(snap["optim"])
-    role.step, role.skipped_steps = snap["step"], snap["skipped"]
+# optimizer -> its newest unfilled Snapshot (weak both ways: a dropped snapshot is never copied)
+_PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _marks(model, optimizer: torch.optim.Optimizer) -> tuple:
+    """Storage, shape and in-place version counter of every tensor a snapshot covers, and the
+    optimizer's hyperparameters: unchanged marks mean unchanged contents."""
+    tensors = [*trainable_state(model).items(),
+               *((f"{i}.{k}", t) for i, s in enumerate(optimizer.state.values()) for k, t in s.items())]
+    tensors = [(n, getattr(t, "_local_tensor", t)) for n, t in tensors if isinstance(t, torch.Tensor)]
+    return ([(n, t.data_ptr(), tuple(t.shape), t._version) for n, t in tensors],
+            [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
+
+
+def snapshot(role) -> Snapshot:
+    return Snapshot(role)
+
+
+def restore(role, snap: Snapshot) -> None:
+    if snap.model is not None:
+        load_trainable_state(role.model, snap.model)
+        role.optimizer.load_state_dict(snap.optim)
+    elif _marks(role.model, role.optimizer) != snap.marks:
+        raise RuntimeError("rollback: weights or optimizer state changed without an optimizer step since the "
+                           "snapshot (nothing was copied); cannot restore the committed state")
+    role.step, role.skipped_steps = snap.step, snap.skipped
     role.optimizer.zero_grad(set_to_none=True)
 
 
@@ -137,6 +175,7 @@ def optimizer_step(model, optimizer: torch.optim.Optimizer, grad_clip: float, lr
     on one process; the ranks' losses are shares of one loss), clipped on the global norm, then
     one step at `lr` on every rank alike. A non-finite norm drops the gradients and takes no
     step. Returns the global gradient norm (the caller counts a non-finite one as skipped).
+    The role's pending rollback Snapshot copies the committed state just before the step.
     `before_step` runs after the collectives, just before the step (a fault-injection point)."""
     sum_grads(list(model.parameters()))
     grad_norm = clip_grad_norm(model.parameters(), grad_clip)
@@ -144,7 +183,11 @@ def optimizer_step(model, optimizer: torch.optim.Optimizer, grad_clip: float, lr
     if not math.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
         return grad_norm
+    pending = _PENDING.pop(optimizer, None)
+    if pending is not None and (snap := pending()) is not None:
+        snap.fill(model, optimizer)   # the committed state, before this step changes it (Snapshot)
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
+    optimizer.zero_grad(set_to_none=True)   # free the gradients now: the next step starts from none
     return grad_norm

@@ -23,6 +23,7 @@ from sealrl.trainer import drills, setup
 from sealrl.trainer.evaluate import evaluate
 from sealrl.trainer.inputs import check_inputs, write_dropped_rows
 from sealrl.trainer.iteration_metrics import share_metrics
+from sealrl.trainer.memory import release_freed_memory
 from sealrl.trainer.pipeline import admit, pipeline, staleness_metrics
 from sealrl.trainer.position import forget_after, forget_sealed_after, restore_position, save_position
 from sealrl.trainer.prepare import advantages, build_batch, prepare, seal
@@ -149,11 +150,13 @@ def publish(run: Run):
     with run.stage("weight_sync", "rollout"):
         state, manifest = in_dtype(*run.roles.actor.export(), run.cfg.rollout.dtype)  # checksums over what loads
         run.sync_bytes = sync_bytes(state)   # with LoRA, the adapter's tensors only
-        run.last_weights = state
+        run.last_weights = state if run.cfg.rollout.max_staleness else None   # only an async lane keeps them
         run.to(Phase.EXPORTING, manifest.version.id)
         run.to(Phase.ROLLOUT_LOADING, manifest.version.id)
         version = run.roles.rollout.load(state, manifest)
         run.to(Phase.ROLLOUT_READY, version.id)
+        del state
+        release_freed_memory()   # the export's and the staging's copies (memory.py)
     return version
 
 

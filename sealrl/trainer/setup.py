@@ -340,7 +340,7 @@ class Run:
     timer: StageTimer
     watchdog: Watchdog
     sync_bytes: int = 0   # bytes the last weight sync moved (sync/bytes)
-    last_weights: dict | None = None   # what the last weight sync published (an async checkpoint keeps some)
+    last_weights: dict | None = None   # what the last weight sync published, kept if max_staleness > 0
 
     @contextmanager
     def stage(self, name: str, role: str):

@@ -1,0 +1,155 @@
+"""What the training lane keeps in memory: the rollback snapshot copies the committed state only
+just before the first optimizer step (never beside the update's activations) and restores it
+bit for bit; gradients are freed after the step; a synchronous run keeps no copy of the
+weights it published (the rollout holds its own)."""
+from __future__ import annotations
+
+import os
+import weakref
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sealrl.config import build_config
+from sealrl.models.hf import tokenizer_hash
+from sealrl.models.tiny import build_tiny_model
+from sealrl.roles.actor import Actor
+from sealrl.roles.rollout import Rollout
+from sealrl.trainer.driver import publish
+from sealrl.trainer.memory import release_freed_memory
+from tests.test_placement_dp import HORIZON, V0, make_batch, make_model
+
+
+def make_actor() -> Actor:
+    cfg = build_config(None, [])
+    return Actor(make_model(), cfg.actor, cfg.algorithm, "run", "tok", 1.0, 0, 10, HORIZON)
+
+
+def state(actor: Actor) -> tuple[dict, dict]:
+    """(weights, AdamW moments and step counts) as copies, to compare bit for bit."""
+    weights = {k: v.clone() for k, v in actor.model.state_dict().items()}
+    optim = {(i, k): t.clone() for i, s in enumerate(actor.optimizer.state.values()) for k, t in s.items()}
+    return weights, optim
+
+
+def assert_equal_state(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
+    assert a[0].keys() == b[0].keys() and a[1].keys() == b[1].keys()
+    for x, y in ((a[0], b[0]), (a[1], b[1])):
+        for k in x:
+            assert torch.equal(x[k], y[k]), k
+
+
+def test_snapshot_copies_only_after_the_backward_and_restores_the_committed_state():
+    actor = make_actor()
+    actor.update(make_batch(), V0, 0, seed=1, kl_coef=0.0)   # AdamW has moments now
+    committed, step = state(actor), actor.step
+    snap = actor.snapshot()
+    copied_during_forward = []
+    hook = actor.model.register_forward_hook(lambda *_: copied_during_forward.append(snap.model is not None))
+    actor.update(make_batch(), V0, 1, seed=2, kl_coef=0.0)
+    hook.remove()
+    assert copied_during_forward == [False]   # one forward, no copy beside its activations
+    assert snap.model is not None and actor.step == step + 1
+    assert any(not torch.equal(v, committed[0][k]) for k, v in actor.model.state_dict().items())
+    actor.restore(snap)
+    assert actor.step == step
+    assert_equal_state(state(actor), committed)
+    # the retry after the rollback gives what an update that never failed gives, bit for bit
+    actor.update(make_batch(), V0, 1, seed=2, kl_coef=0.0)
+    plain = make_actor()
+    plain.update(make_batch(), V0, 0, seed=1, kl_coef=0.0)
+    plain.update(make_batch(), V0, 1, seed=2, kl_coef=0.0)
+    assert_equal_state(state(actor), state(plain))
+
+
+def test_an_update_failing_before_its_step_copies_nothing_and_rolls_back(monkeypatch):
+    actor = make_actor()
+    actor.update(make_batch(), V0, 0, seed=1, kl_coef=0.0)
+    committed, step = state(actor), actor.step
+    snap = actor.snapshot()
+
+    def fail(*_a, **_k):
+        raise RuntimeError("injected: after the backward, before the step")
+    monkeypatch.setattr(actor.optimizer, "step", fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        actor.update(make_batch(), V0, 1, seed=2, kl_coef=0.0)
+    # the copy is taken just before optimizer.step is called: this failure came after it
+    assert snap.model is not None
+    monkeypatch.undo()
+    snap2 = actor.snapshot()
+
+    def fail_backward(*_a, **_k):
+        raise RuntimeError("injected: in the loss")
+    monkeypatch.setattr(actor, "_policy_loss", fail_backward)
+    with pytest.raises(RuntimeError, match="in the loss"):
+        actor.update(make_batch(), V0, 1, seed=2, kl_coef=0.0)
+    assert snap2.model is None   # nothing was copied: the weights never changed
+    actor.restore(snap2)
+    assert actor.step == step and all(p.grad is None for p in actor.model.parameters())
+    assert_equal_state(state(actor), committed)
+
+
+def test_restore_refuses_a_state_changed_without_a_step():
+    actor = make_actor()
+    snap = actor.snapshot()
+    with torch.no_grad():
+        next(actor.model.parameters()).add_(1.0)   # in place, outside any optimizer step
+    with pytest.raises(RuntimeError, match="changed without an optimizer step"):
+        actor.restore(snap)
+
+
+def test_only_the_newest_snapshot_is_filled_and_a_dropped_one_never():
+    actor = make_actor()
+    old, new = actor.snapshot(), actor.snapshot()
+    actor.update(make_batch(), V0, 0, seed=1, kl_coef=0.0)
+    assert old.model is None and new.model is not None   # one copy per step, not one per snapshot
+    with pytest.raises(RuntimeError, match="changed without an optimizer step"):
+        actor.restore(old)   # stale: refused, never silently wrong
+    dropped = weakref.ref(actor.snapshot())   # dropped at once: the registry keeps it not alive
+    assert dropped() is None
+
+
+def test_gradients_are_freed_after_the_optimizer_step():
+    actor = make_actor()
+    actor.update(make_batch(), V0, 0, seed=1, kl_coef=0.0)
+    assert actor.step == 1 and all(p.grad is None for p in actor.model.parameters())
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_synchronous_publish_keeps_no_copy_of_the_published_weights(staleness):
+    model, tokenizer = build_tiny_model(seed=0, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+    cfg = build_config(None, [f"rollout.max_staleness={staleness}"])
+    actor = Actor(model, cfg.actor, cfg.algorithm, "run", tokenizer_hash(tokenizer), 1.0, 0, 10, HORIZON)
+    run = SimpleNamespace(cfg=cfg, roles=SimpleNamespace(actor=actor, rollout=Rollout(model, tokenizer)),
+                          stage=lambda *_: nullcontext(), to=lambda *_: None, last_weights=None)
+    version = publish(run)
+    assert run.roles.rollout.version == version
+    if staleness == 0:
+        assert run.last_weights is None   # the rollout verified and holds its own copy
+    else:   # an asynchronous lane checkpoints the versions it still samples from
+        assert run.last_weights.keys() == model.state_dict().keys()
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc for the resident set")
+def test_release_freed_memory_returns_a_fragmented_heap_to_the_os():
+    # glibc: blocks under its mmap threshold (128 KiB at first) come from the heap; small
+    # blocks kept between them pin it, so freeing the big ones leaves their pages resident
+    big, pins = [], []
+    for _ in range(3072):
+        big.append(torch.ones(2**14))    # 64 KiB, touched
+        pins.append(torch.ones(16))
+    before = rss_mib()
+    big.clear()
+    kept = rss_mib()
+    if not release_freed_memory():
+        pytest.skip("no malloc_trim in this C library")
+    after = rss_mib()
+    assert before - kept < 64 <= kept - after   # freed, still resident; then given back (192 MiB freed)
+    assert len(pins) == 3072
