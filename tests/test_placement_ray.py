@@ -371,11 +371,11 @@ def test_a_replica_past_its_deadline_is_replaced_and_its_shard_resent(objects, l
     from sealrl.placement.rollout_pool import RolloutPool
     from tests.helpers_replicas import HangsMidGenerate, PatientRestarts
     model, tok, (state, v0), _, requests = objects
-    # The deadline under test is the pool's (10 s): it bounds a generate call on a warm replica
+    # The deadline under test is the pool's (5 s): it bounds a generate call on a warm replica
     # (tens of ms), and the hung replica sleeps 3600 s. Starting the replacement actor (a new
     # process importing torch) is not what this test times: it gets a generous 120 s.
     factory = functools.partial(HangsMidGenerate, model, tok, str(tmp_path / "hung"), 3600.0)
-    pool = RolloutPool(PatientRestarts("rollout", factory, ray_pool.pool, timeout_s=120), timeout_s=10)
+    pool = RolloutPool(PatientRestarts("rollout", factory, ray_pool.pool, timeout_s=120), timeout_s=5)
     try:
         pool.load(state, v0)
         samples = pool.generate(requests, CONTRACT, v0.version)
