@@ -30,10 +30,16 @@ class CorruptedTransfer(Rollout):
 
     def stage(self, state, manifest):
         if manifest.version.step == self.step and first_to_claim(self.marker):
-            state = dict(state)
-            state[self.tensor] = state[self.tensor].clone()
-            state[self.tensor].view(-1)[0] += 1e-3
+            state = corrupted(state, self.tensor)
         return super().stage(state, manifest)
+
+
+def corrupted(state: dict, tensor: str) -> dict:
+    """`state` with one value of `tensor` changed (the caller's copy stays intact)."""
+    state = dict(state)
+    state[tensor] = state[tensor].clone()
+    state[tensor].view(-1)[0] += 1e-3
+    return state
 
 
 class DiesMidGenerate(Rollout):
@@ -86,3 +92,18 @@ class PatientRestarts(RayWorkerGroup):
 
     def restart(self, k: int, timeout_s: float | None = None) -> None:
         super().restart(k, timeout_s=self.timeout_s)
+
+
+class CorruptedThenDiesMidStage(DiesMidStage):
+    """CorruptedTransfer's fault at policy step `corrupt_step` (marker `corrupt_marker`), and
+    DiesMidStage's at `step`: both stage drills on one pool (a new Ray actor imports torch)."""
+
+    def __init__(self, model, tokenizer, corrupt_marker: str, tensor: str, corrupt_step: int, marker: str,
+                 step: int):
+        super().__init__(model, tokenizer, marker, step)
+        self.corrupt_marker, self.tensor, self.corrupt_step = corrupt_marker, tensor, corrupt_step
+
+    def stage(self, state, manifest):
+        if manifest.version.step == self.corrupt_step and first_to_claim(self.corrupt_marker):
+            state = corrupted(state, self.tensor)
+        return super().stage(state, manifest)

@@ -25,6 +25,7 @@ from tests.helpers_dist import launch
 
 V0 = PolicyVersion("run", 0, 0, "w0", "tok", "cfg")
 HORIZON = 8
+STRATEGIES = ("fsdp2", "allreduce")
 # Sorted ids: p0/* and p1/* (long responses) land on rank 0, p2/* and p3/* (one token) on
 # rank 1: shard token counts 28 vs 4, so a per-rank normaliser would weight rank 1 7x more.
 RESPONSES = {"p0": ((5, 6, 7, 8, 9, 10, 2), (7, 8, 9, 10, 11, 12, 2)),
@@ -77,9 +78,22 @@ def rank_main(rank: int, world_size: int) -> dict:
     return out
 
 
+def all_main(rank: int, world_size: int) -> dict:
+    """Every distributed check of this module on one pair of spawned processes (each spawn
+    re-imports torch and sealrl: seconds): the collectives, then the roles' ranks with each
+    strategy, one after the other in the same process group."""
+    return {"collectives": rank_main(rank, world_size),
+            **{strategy: role_sequence(strategy, distributed=True) for strategy in STRATEGIES}}
+
+
 @pytest.fixture(scope="module")
-def ranks():
-    return launch(rank_main, 2, timeout_s=300)
+def launched():
+    return launch(all_main, 2, timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def ranks(launched):
+    return [r["collectives"] for r in launched]
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -173,15 +187,11 @@ def role_sequence(strategy: str, distributed: bool) -> dict:
     return out
 
 
-def role_rank_main(rank: int, world_size: int, strategy: str) -> dict:
-    return role_sequence(strategy, distributed=True)
-
-
-@pytest.mark.parametrize("strategy", ("fsdp2", "allreduce"))
-def test_role_ranks_on_two_processes_give_the_one_process_results(strategy):
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_role_ranks_on_two_processes_give_the_one_process_results(launched, strategy):
     from sealrl.placement.train_group import join_rows
     one = role_sequence(strategy, distributed=False)
-    r0, r1 = launch(role_rank_main, 2, strategy, timeout_s=300)
+    r0, r1 = (r[strategy] for r in launched)
     assert r0["sharded"] == r1["sharded"] == (strategy == "fsdp2") and not one["sharded"]
     assert isinstance(r1["w1"], str) and r1["state"] is None       # rank 0 ships, the others only gather
     seven = make_batch().select_ids(sorted(make_batch().sample_ids)[:7])

@@ -167,9 +167,9 @@ def test_infinite_loop_hits_the_cpu_limit():
 
 @needs_root
 def test_sleep_hits_the_wall_deadline():
-    # The deadline under test (5 s): a sandboxed interpreter prints "up" within a fraction of a
+    # The deadline under test (3 s): a sandboxed interpreter prints "up" within a fraction of a
     # second, even on a loaded machine; the sleep (3600 s) never ends by itself.
-    result = run_sandboxed("import time\nprint('up', flush=True)\ntime.sleep(3600)\n", wall_s=5)
+    result = run_sandboxed("import time\nprint('up', flush=True)\ntime.sleep(3600)\n", wall_s=3)
     assert result.status is SandboxStatus.TIMEOUT and result.limit == "wall"
     assert result.stdout == "up\n" and result.wall_s < 60
 
@@ -364,13 +364,14 @@ def test_correct_program_passes_every_test():
 @needs_root
 def test_wrong_partial_and_failing_programs():
     # 5 s per test run: a sandboxed "print" takes a fraction of a second; the loop below never
-    # ends and, with 10 s of CPU allowed, meets the wall limit first (a timeout)
+    # ends and, with 10 s of CPU allowed, meets its 2 s wall limit first (a timeout)
     reward = CodeExecutionReward(timeout_s=5, cpu_s=10)
     assert reward(_sample("print(3)", ADD_TESTS)) == pytest.approx(1 / 3)
     assert CodeExecutionReward(all_or_nothing=True, timeout_s=WALL_S)(_sample("print(3)", ADD_TESTS)) == 0.0
     assert reward(_sample("print('nope')", ADD_TESTS)) == 0.0
     assert reward(_sample("raise SystemExit(3)", ADD_TESTS)) == 0.0  # a crash: failed, not error
-    assert reward(_sample("while True: pass", ADD_TESTS[:1])) == 0.0  # a timeout: failed too
+    looping = CodeExecutionReward(timeout_s=2, cpu_s=10)
+    assert looping(_sample("while True: pass", ADD_TESTS[:1])) == 0.0  # a timeout: failed too
 
 
 @needs_root

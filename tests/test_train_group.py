@@ -143,29 +143,14 @@ def test_grpo_two_actor_ranks_give_the_one_process_update_through_a_resume(tmp_p
 
 
 @pytest.mark.slow
-def test_ppo_two_actor_and_two_critic_ranks_give_the_one_process_update(tmp_path, ray_session, local_ppo):
-    """The default strategy (fsdp2) end to end; allreduce differs only inside the ranks, where
-    test_placement_dp runs both strategies (and the GRPO test above runs both end to end)."""
-    local = local_ppo
-    dp = run(tmp_path, "dp", *PPO, "placement.actor_ranks=2", "placement.critic_ranks=2", *DP)
-    assert_same_weights(local, dp, "actor_model", 1)
-    assert_same_weights(local, dp, "critic_model", 1)
-    a, b = experience(local, 0), experience(dp, 0)
-    assert torch.allclose(a.get("values"), b.get("values"), atol=1e-5, rtol=0)   # sharded values, joined by id
-    (ma,), (mb,) = metrics(local), metrics(dp)
-    assert ma["critic/value_loss"] == pytest.approx(mb["critic/value_loss"], abs=1e-6)
-    assert ma["critic/grad_norm"] == pytest.approx(mb["critic/grad_norm"], rel=1e-5)
-    # Adam's first step barely sees a gradient's scale: a rank that trained on every row (a
-    # doubled gradient) could pass the weights check; the summed loss and norm would not.
-    assert ma["actor/pg_loss"] == pytest.approx(mb["actor/pg_loss"], abs=1e-6)
-    assert ma["actor/grad_norm"] == pytest.approx(mb["actor/grad_norm"], rel=1e-5)
-
-
-@pytest.mark.slow
-def test_colocated_actor_ranks_share_the_rollout_replicas_bundles(tmp_path, ray_session, local_grpo, monkeypatch):
-    """placement.rollout_pool=colocated with 2 actor ranks and 2 replicas: one Ray pool, rank k
-    and replica k on bundle k (each asks half of it), and the update is the one-process one.
-    The pool is inspected inside the run, as the driver builds it (one set of Ray actors)."""
+def test_ppo_ranks_colocated_with_the_rollout_replicas_give_the_one_process_update(tmp_path, ray_session, local_ppo,
+                                                                                    monkeypatch):
+    """The default strategy (fsdp2) end to end, with placement.rollout_pool=colocated: 2 actor
+    ranks and 2 rollout replicas in one Ray pool (rank k and replica k on bundle k, each asks
+    half of it), the 2 critic ranks on a pool of their own; the updates are the one-process
+    ones. The pools are inspected inside the run, as the driver builds them (one set of Ray
+    actors). allreduce differs only inside the ranks, where test_placement_dp runs both
+    strategies (and the GRPO test above runs both end to end, standalone)."""
     from sealrl.trainer import setup
     colocated = ["placement.actor_ranks=2", "placement.rollout_replicas=2", "placement.rollout_pool=colocated",
                  "placement.backend=ray", "placement.cpus_per_replica=1", "placement.timeout_s=180"]
@@ -175,13 +160,28 @@ def test_colocated_actor_ranks_share_the_rollout_replicas_bundles(tmp_path, ray_
         roles = build_roles(cfg, run_id)
         pool = roles.actor.replicas.group._pool
         seen.append({"shared": pool is roles.rollout.group._pool, "roles": pool.spec.roles,
-                     "num_workers": pool.spec.num_workers, "sharded": roles.actor.replicas.call("sharded")})
+                     "num_workers": pool.spec.num_workers, "sharded": roles.actor.replicas.call("sharded"),
+                     "critic": (roles.critic.replicas.group._pool.spec.roles,
+                                roles.critic.replicas.group._pool is not pool)})
         return roles
 
     monkeypatch.setattr(setup, "build_roles", inspected)
-    dp = run(tmp_path, "dp", "algorithm.name=grpo", "run.iterations=1", *colocated)
-    # one pool for both roles; placement.dp_strategy=fsdp2 by default
-    assert seen == [{"shared": True, "roles": ("actor", "rollout"), "num_workers": 2, "sharded": [True, True]}]
-    assert_same_weights(local_grpo, dp, "actor_model", 1)
+    local = local_ppo
+    dp = run(tmp_path, "dp", *PPO, "placement.critic_ranks=2", *colocated)
+    # one pool for the actor and the rollout; placement.dp_strategy=fsdp2 by default
+    assert seen == [{"shared": True, "roles": ("actor", "rollout"), "num_workers": 2, "sharded": [True, True],
+                     "critic": (("critic",), True)}]
+    assert_same_weights(local, dp, "actor_model", 1)
+    assert_same_weights(local, dp, "critic_model", 1)
+    a, b = experience(local, 0), experience(dp, 0)
+    assert [s.response_ids for s in a.samples] == [s.response_ids for s in b.samples]  # same experience
+    assert torch.allclose(a.get("values"), b.get("values"), atol=1e-5, rtol=0)   # sharded values, joined by id
+    (ma,), (mb,) = metrics(local), metrics(dp)
+    assert ma["critic/value_loss"] == pytest.approx(mb["critic/value_loss"], abs=1e-6)
+    assert ma["critic/grad_norm"] == pytest.approx(mb["critic/grad_norm"], rel=1e-5)
+    # Adam's first step barely sees a gradient's scale: a rank that trained on every row (a
+    # doubled gradient) could pass the weights check; the summed loss and norm would not.
+    assert ma["actor/pg_loss"] == pytest.approx(mb["actor/pg_loss"], abs=1e-6)
+    assert ma["actor/grad_norm"] == pytest.approx(mb["actor/grad_norm"], rel=1e-5)
     with pytest.raises(ValueError, match="placement.actor_ranks"):
         build_config(None, [*colocated, "placement.rollout_replicas=3"])
