@@ -2,14 +2,14 @@
 
 The workload is the multi-turn calculator task (examples/arith_tools.yaml: 3-digit products,
 each episode a tool call, its observation and the answer) with 4 prompts x 8 episodes per
-iteration and actor.lr 2.5e-4: generation (two decoding turns of up to 24 tokens, one tool call
+iteration and actor.lr 1.5e-4: generation (two decoding turns of up to 24 tokens, one tool call
 per episode) is 37-38% of the synchronous iteration on 2 idle CPU cores, the issue's bar being
 >= 30% (`lane_share_of_sync_iteration` measures it: generate + reward, the generation lane's
 work; 2 prompts x 16 gave 25%). The example's lr 5e-4 is tuned for 16 prompts x 8; on 32
 samples per iteration its steps are large enough (per-version KL spikes of 0.05-0.15 nats per
 token) that runs collapse into a broken tool call at any k and one version of staleness costs
-learning; at 2.5e-4 the drift per version is about 10x smaller (`drift_k3_*` below) and
-neither happened in 3 seeds (docs/async.md, "What k = 1 cost"). A collapsed run's episodes are
+learning; at 1.5e-4 the drift per version is about 10x smaller (`drift_k3_*` below) and
+neither happened at k = 0, 1 or 2 in 3 seeds (docs/async.md, "What k = 1 cost"). A collapsed run's episodes are
 short, so its samples/s is not comparable (`turns_last_10` 1.0 shows it).
 Each k trains the same config for the same iterations, with old log-probs recomputed by the
 actor and truncated IS behaviour -> proximal (the decoupled PPO objective at every k, so only
@@ -59,7 +59,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--eval-num", type=int, default=500, help="held-out problems (data.num_eval and eval.num)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3],
                    help="run.seed of each repeat; samples/s is pooled and accuracy averaged over them")
-    p.add_argument("--lr", type=float, default=2.5e-4, help="actor.lr (the example's is 5e-4)")
+    p.add_argument("--lr", type=float, default=1.5e-4, help="actor.lr (the example's is 5e-4)")
     p.add_argument("--lane", choices=["process", "thread"], default="process", help="rollout.lane for k >= 1")
     p.add_argument("--sync-threads", type=int, default=2, help="run.threads of k = 0 (the whole machine)")
     p.add_argument("--lane-threads", type=int, default=1, help="run.threads of each lane when k >= 1")
