@@ -5,8 +5,11 @@ weights it published (the rollout holds its own)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import weakref
 from contextlib import nullcontext
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,8 +21,9 @@ from sealrl.models.tiny import build_tiny_model
 from sealrl.roles.actor import Actor
 from sealrl.roles.rollout import Rollout
 from sealrl.trainer.driver import publish
-from sealrl.trainer.memory import release_freed_memory
 from tests.test_placement_dp import HORIZON, V0, make_batch, make_model
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_actor() -> Actor:
@@ -132,24 +136,38 @@ def test_a_synchronous_publish_keeps_no_copy_of_the_published_weights(staleness)
         assert run.last_weights.keys() == model.state_dict().keys()
 
 
-def rss_mib() -> float:
+# Run in a fresh interpreter: the heap of a long test session (glibc's dynamic mmap and trim
+# thresholds, holes earlier tests left) decides where blocks land, so the same code may or may
+# not fragment there; a new process starts from glibc's documented defaults.
+FRAGMENT = """
+import os, torch
+from sealrl.trainer.memory import release_freed_memory
+def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+# blocks under glibc's first mmap threshold (128 KiB) come from the heap; small blocks kept
+# between them pin it, so freeing the big ones leaves their pages resident
+big, pins = [], []
+for _ in range(3072):
+    big.append(torch.ones(2**14))    # 64 KiB, touched
+    pins.append(torch.ones(16))
+before = rss()
+big.clear()
+kept = rss()
+trimmed = release_freed_memory()
+print(before, kept, rss(), trimmed, len(pins))
+"""
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc for the resident set")
 def test_release_freed_memory_returns_a_fragmented_heap_to_the_os():
-    # glibc: blocks under its mmap threshold (128 KiB at first) come from the heap; small
-    # blocks kept between them pin it, so freeing the big ones leaves their pages resident
-    big, pins = [], []
-    for _ in range(3072):
-        big.append(torch.ones(2**14))    # 64 KiB, touched
-        pins.append(torch.ones(16))
-    before = rss_mib()
-    big.clear()
-    kept = rss_mib()
-    if not release_freed_memory():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {k: v for k, v in env.items() if not k.startswith("MALLOC_")}   # glibc's defaults
+    out = subprocess.run([sys.executable, "-c", FRAGMENT], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    before, kept, after, trimmed, pins = out.stdout.split()
+    if trimmed != "True":
         pytest.skip("no malloc_trim in this C library")
-    after = rss_mib()
+    before, kept, after = float(before), float(kept), float(after)
     assert before - kept < 64 <= kept - after   # freed, still resident; then given back (192 MiB freed)
-    assert len(pins) == 3072
+    assert int(pins) == 3072
