@@ -13,12 +13,18 @@ class HeldRollout(Rollout):
         if plan is not None:
             return super().generate_switching(requests, contract, version, plan)
         it, engine = int(requests[0].group_id.split("/")[-2]), self.engine
-
-        def switch(step, current):
-            if step == 2 and it >= 1:
-                deadline = time.monotonic() + 60
-                while engine.active_version == current and time.monotonic() < deadline:
-                    time.sleep(0.005)
-            newest = engine.active_version
-            return newest if step == 2 and newest != current else None
+        switch = forced_switch(engine, it)
         return switching.generate_switching(engine, requests, contract, version, switch)
+
+
+def forced_switch(engine, it):
+    """The clock's schedule, with the lane held at token 2 of iterations >= 1 until the
+    training lane publishes a newer version than the one sampling (then it switches there)."""
+    def switch(step, current):
+        if step == 2 and it >= 1:
+            deadline = time.monotonic() + 60
+            while engine.active_version == current and time.monotonic() < deadline:
+                time.sleep(0.005)
+        newest = engine.active_version
+        return newest if step == 2 and newest != current else None
+    return switch

@@ -14,7 +14,9 @@ import pytest
 from sealrl import faults
 from sealrl.audit import CHECK_NAMES, add_parser, audit_run
 from sealrl.config import build_config
+from sealrl.experience.batch import ExperienceBatch
 from sealrl.experience.ids import digest
+from sealrl.experience.store import read_iteration
 from sealrl.rewards.verifiers import answer_text
 from sealrl.trainer import driver as driver_module
 from sealrl.trainer import setup as trainer_setup
@@ -141,6 +143,18 @@ def _rewrite(path: Path, edit=None, meta_edit=None) -> None:
         meta_edit(meta)
         metadata[b"sealrl"] = json.dumps(meta).encode()
     pq.write_table(table.replace_schema_metadata(metadata), path)
+
+
+def _reseal(path: Path) -> None:
+    """Seal an edited iteration file again, as a forger would: its digest recomputed over the
+    edited facts, so only the checks of what the facts say can catch the edit."""
+    real = ExperienceBatch.verify_seal
+    ExperienceBatch.verify_seal = lambda self: None   # read the edited file without its seal check
+    try:
+        forged = read_iteration(path)._digest()
+    finally:
+        ExperienceBatch.verify_seal = real
+    _rewrite(path, meta_edit=lambda m: m.update(seal_digest=forged))
 
 
 def _iter(run: Path, i: int) -> Path:

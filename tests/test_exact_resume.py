@@ -14,12 +14,11 @@ import pytest
 from sealrl import faults
 from sealrl.audit import audit_run
 from sealrl.cli import main
-from sealrl.experience.batch import ExperienceBatch
 from sealrl.experience.store import read_iteration
 from sealrl.trainer import driver as driver_module
 from sealrl.trainer import pipeline as pipeline_module
 from sealrl.trainer.replay import ReplayMismatch, ScheduleError, recorded_schedule, replay
-from tests.test_audit import _iter, _rewrite
+from tests.test_audit import _iter, _reseal, _rewrite
 from tests.test_pipeline import _numbers, _train
 
 ITERATIONS = 5   # checkpoints at 2 and 4 (run.checkpoint_every=2); the crashes hit iteration 3
@@ -169,7 +168,7 @@ def test_replay_of_an_async_run_reproduces_its_weights_bitwise(whole, tmp_path, 
     assert _sealed(Path(result["replay_dir"])) == _sealed(run)
 
 
-def _forge(path: Path, version_id: str, version_json: str, monkeypatch) -> None:
+def _forge(path: Path, version_id: str, version_json: str) -> None:
     """Re-stamp every sample of the record at `path` as sampled by `version_id` and re-seal it,
     as a forger with the code would: the seal no longer tells, only the schedule does."""
     now = pq.read_table(path).column("policy_version")[0].as_py()
@@ -179,10 +178,7 @@ def _forge(path: Path, version_id: str, version_json: str, monkeypatch) -> None:
         for f in m["fields"].values():
             f["version"] = version_id if f["version"] == now else f["version"]
     _rewrite(path, lambda c: c.update(policy_version=[version_id] * len(c["policy_version"])), meta)
-    with monkeypatch.context() as mp:
-        mp.setattr(ExperienceBatch, "verify_seal", lambda self: None)
-        forged = read_iteration(path)._digest()
-    _rewrite(path, meta_edit=lambda m: m.update(seal_digest=forged))
+    _reseal(path)
 
 
 def _version_of(run: Path, i: int) -> tuple[str, str]:
@@ -192,12 +188,12 @@ def _version_of(run: Path, i: int) -> tuple[str, str]:
     return vid, json.loads(table.schema.metadata[b"sealrl"])["versions"][vid]
 
 
-def test_replay_reports_a_record_whose_schedule_was_edited(whole, tmp_path, monkeypatch):
+def test_replay_reports_a_record_whose_schedule_was_edited(whole, tmp_path):
     """Iteration 3 of the k = 1 run re-stamped as sampled by the version consuming it (step 3,
     the one that sampled iteration 4): a schedule the pipeline can follow (lag 0), but not the
     one that produced the record's tokens; replay says where."""
     run = Path(shutil.copytree(whole["k1"][1], tmp_path / "edited"))
-    _forge(_iter(run, 3), *_version_of(run, 4), monkeypatch)
+    _forge(_iter(run, 3), *_version_of(run, 4))
     assert recorded_schedule(run, ITERATIONS, 1) == {0: 0, 1: 0, 2: 1, 3: 3, 4: 3}
     with pytest.raises(ReplayMismatch, match="iteration 3: the replay sealed other facts"):
         replay(run, tmp_path / "replay")
@@ -207,9 +203,9 @@ def test_replay_reports_a_record_whose_schedule_was_edited(whole, tmp_path, monk
     (1, 4, "which no update up to iteration 1 started from"),   # a version from the future
     (4, 0, "beyond rollout.max_staleness=1"),                    # older than the rollout retains
 ])
-def test_replay_refuses_a_schedule_it_cannot_follow(whole, tmp_path, monkeypatch, iteration, by, why):
+def test_replay_refuses_a_schedule_it_cannot_follow(whole, tmp_path, iteration, by, why):
     run = Path(shutil.copytree(whole["k1"][1], tmp_path / "edited"))
-    _forge(_iter(run, iteration), *_version_of(run, by), monkeypatch)
+    _forge(_iter(run, iteration), *_version_of(run, by))
     with pytest.raises(ScheduleError, match=f"iteration {iteration}: .*{why}"):
         replay(run, tmp_path / "replay")
     assert not (tmp_path / "replay").exists()   # refused before training anything

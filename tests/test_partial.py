@@ -4,7 +4,6 @@ old version's KV cache); every token records its version; staleness counts from 
 (admission, audit); a replay follows the recorded switches bitwise."""
 import json
 import shutil
-import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -15,7 +14,6 @@ from sealrl.audit import audit_run
 from sealrl.audit.folder import load_run
 from sealrl.audit.staleness import staleness_distribution
 from sealrl.config import ConfigError, build_config, check_config
-from sealrl.experience.batch import ExperienceBatch
 from sealrl.experience.ids import PolicyVersion
 from sealrl.experience.records import SamplingContract, StopReason
 from sealrl.experience.store import read_iteration
@@ -31,7 +29,8 @@ from sealrl.trainer.driver import train
 from sealrl.trainer.ledger import new_iteration
 from sealrl.trainer.pipeline import Produced, admit
 from sealrl.trainer.replay import recorded_schedule, replay
-from tests.test_audit import _iter, _rewrite
+from tests.helpers_partial import forced_switch as _forced
+from tests.test_audit import _iter, _reseal, _rewrite
 from tests.test_pipeline import _train
 from tests.test_rollout_engine import encode, make_engine, mixed_requests
 
@@ -162,19 +161,6 @@ def test_config_refuses_switch_where_it_is_not_built():
 
 # ---- a run: a publication forced mid-generation ---------------------------------------------
 
-def _forced(engine, it):
-    """The clock's schedule, with the lane held at token 2 of iterations >= 1 until the
-    training lane publishes a newer version than the one sampling (then it switches there)."""
-    def switch(step, current):
-        if step == 2 and it >= 1:
-            deadline = time.monotonic() + 60
-            while engine.active_version == current and time.monotonic() < deadline:
-                time.sleep(0.005)
-        newest = engine.active_version
-        return newest if step == 2 and newest != current else None
-    return switch
-
-
 @pytest.fixture(scope="module")
 def switch_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("switch")
@@ -219,7 +205,7 @@ def test_the_audit_passes_and_counts_staleness_from_the_oldest_token(switch_run)
     assert staleness_distribution(load_run(run)) == {0: 16, 1: 48}
 
 
-def test_an_edited_token_version_beyond_the_bound_fails_the_audit(switch_run, tmp_path, monkeypatch):
+def test_an_edited_token_version_beyond_the_bound_fails_the_audit(switch_run, tmp_path):
     """Iteration 3 (actor step 3, bound 1): token 3 of sample 0 re-stamped to step 1 (declared and
     re-sealed, as a forger with the code would): its oldest token is 2 versions behind."""
     run = Path(shutil.copytree(switch_run[1], tmp_path / "sw"))
@@ -232,10 +218,7 @@ def test_an_edited_token_version_beyond_the_bound_fails_the_audit(switch_run, tm
     def edit(c):
         c["token_versions"][row][3] = 1
     _rewrite(_iter(run, 3), edit, lambda m: m["versions"].update(step1))
-    monkeypatch.setattr(ExperienceBatch, "verify_seal", lambda self: None)
-    forged = read_iteration(_iter(run, 3))._digest()
-    monkeypatch.undo()
-    _rewrite(_iter(run, 3), meta_edit=lambda m: m.update(seal_digest=forged))
+    _reseal(_iter(run, 3))
     report = audit_run(run)
     assert report.failed_checks() == ["policy_version"], report.summary()
     assert [(v.iteration, v.sample_id) for v in report.violations] == [(3, read_iteration(_iter(run, 3))
