@@ -9,7 +9,7 @@ It changes no number. A no-op where the C library has no malloc_trim (musl, macO
 
 Trimming is not free: every page it returns is faulted in again by the next pass that needs it.
 On the embedded 1M-parameter model, trimming after every update and sync made the training
-passes about 20% slower for no memory worth having back, so it runs only when the heap holds at
+passes about 25% slower for no memory worth having back, so it runs only when the heap holds at
 least `min_free` free bytes (glibc's mallinfo2; where that is missing, it always runs).
 """
 from __future__ import annotations
@@ -33,27 +33,24 @@ def _libc():
         return None
 
 
+@functools.cache
+def _mallinfo2():
+    fn = getattr(_libc(), "mallinfo2", None)
+    if fn is not None:
+        fn.restype = _MallInfo2
+    return fn
+
+
 def heap_free_bytes() -> int | None:
     """Free bytes held in malloc's arenas (mallinfo2's fordblks); None where not available."""
-    fn = getattr(_libc(), "mallinfo2", None)
-    if fn is None:
-        return None
-    fn.restype = _MallInfo2
-    return int(fn().fordblks)
-
-
-@functools.cache
-def _malloc_trim():
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
+    fn = _mallinfo2()
+    return None if fn is None else int(fn().fordblks)
 
 
 def release_freed_memory(min_free: int = 256 * 2**20) -> bool:
     """Return the heap's free pages to the OS when at least `min_free` bytes are free; False
     where that is not possible or when less is free (nothing is trimmed then)."""
-    trim = _malloc_trim()
+    trim = getattr(_libc(), "malloc_trim", None)
     if trim is None:
         return False
     free = heap_free_bytes()
