@@ -77,6 +77,7 @@ class RunConfig:
     eval_every: int = resumable(0)         # iterations between held-out evaluations; 0 = before/after only
     max_wall_s: float = resumable(0.0)     # training seconds, then a clean stop: checkpoint, exit 0 (0 = none)
     threads: int = 0                       # torch threads (0 = leave torch's default)
+    hold_freed_memory: bool = resumable(True)  # malloc keeps freed memory for the next pass (trainer/memory.py)
     update_retries: int = 1                # a failed update is rolled back and tried again this often
     stage_timeout_s: float = resumable(3600.0)  # deadline of each driver stage; expiry exits 4 naming it (0 = none)
     progress: bool = resumable(True)       # live progress bar on stderr

@@ -23,7 +23,7 @@ from sealrl.trainer import drills, setup
 from sealrl.trainer.evaluate import evaluate
 from sealrl.trainer.inputs import check_inputs, write_dropped_rows
 from sealrl.trainer.iteration_metrics import share_metrics
-from sealrl.trainer.memory import release_freed_memory
+from sealrl.trainer.memory import hold_freed_memory
 from sealrl.trainer.pipeline import admit, pipeline, staleness_metrics
 from sealrl.trainer.position import forget_after, forget_sealed_after, restore_position, save_position
 from sealrl.trainer.prepare import advantages, build_batch, prepare, seal
@@ -42,6 +42,8 @@ def train(cfg: Config, schedule: dict[int, int] | None = None) -> dict:
     version samples it, instead of the fixed lag."""
     check_inputs(cfg)   # paths and config rules, before anything is loaded or written
     threads = torch.get_num_threads()
+    if cfg.run.hold_freed_memory:
+        hold_freed_memory()   # freed activations stay in the heap for the next pass (memory.py)
     setup.make_deterministic(cfg)
     roles, lock = setup.build_roles(cfg, cfg.run.name), None
     try:
@@ -156,7 +158,6 @@ def publish(run: Run):
         version = run.roles.rollout.load(state, manifest)
         run.to(Phase.ROLLOUT_READY, version.id)
         del state
-        release_freed_memory()   # the export's and the staging's copies (memory.py)
     return version
 
 

@@ -1,16 +1,20 @@
-"""Hand the heap memory an iteration freed back to the operating system.
+"""Keep the memory a pass frees in malloc's heap, for the next pass to reuse.
 
-glibc's malloc keeps what large CPU tensors free (an update's activations, a weight sync's
-copies) in its heap, and fragmentation keeps later allocations from reusing all of it: on
-SmolLM2-135M (4 prompts x 8, 64 new tokens) about 2.3 GB freed by the first update stayed
-resident and the second update's activations came on top of it (docs/benchmarks.md, "Peak
-RSS"). `malloc_trim(0)` returns the free pages, so the resident set is what is live again.
-It changes no number. A no-op where the C library has no malloc_trim (musl, macOS).
+Every iteration frees and then needs again about the same memory: an update's activations, the
+reference forward's logit chunks, a weight sync's copies. With glibc's defaults much of it goes
+back to the OS as it is freed: blocks of 32 MiB or more (a 1024-token chunk of a 49k-vocabulary
+logits tensor is 200 MB) are mmapped and unmapped again at free(), and a free top of the heap
+above the trim threshold is handed back. Every page the next pass touches again is then faulted
+in and zeroed, about 1 s per GB on the 2-core VM this was measured on: on SmolLM2-135M the fused
+old-log-prob forward took 15.7 s against the reference forward's 5.6 s, and one iteration 46 s
+against 32 s with the memory held (docs/benchmarks.md, "Session 8").
 
-Trimming is not free: every page it returns is faulted in again by the next pass that needs it.
-On the embedded 1M-parameter model, trimming after every update and sync made the training
-passes about 25% slower for no memory worth having back, so it runs only when the heap holds at
-least `min_free` free bytes (glibc's mallinfo2; where that is missing, it always runs).
+`hold_freed_memory()` tells malloc to allocate every block from the heap and never to trim its
+top, so freed memory stays resident and is reused. The resident set stays near the run's peak
+between passes; the peak itself did not grow (SmolLM2, 6 iterations: 9.66 GB held, 9.25-9.59 GB
+trimmed after every update and sync). It changes no number. It is process-wide and stays in
+force after the run (`run.hold_freed_memory=false` leaves malloc as it is in the driver's
+process); a no-op where the C library has no mallopt (musl, macOS).
 """
 from __future__ import annotations
 
@@ -18,11 +22,8 @@ import ctypes
 import ctypes.util
 import functools
 
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4   # glibc's mallopt parameters (malloc.h)
+NEVER_TRIM = 2**31 - 1                  # mallopt takes an int: the largest trim threshold
 
 
 @functools.cache
@@ -33,28 +34,10 @@ def _libc():
         return None
 
 
-@functools.cache
-def _mallinfo2():
-    fn = getattr(_libc(), "mallinfo2", None)
-    if fn is not None:
-        fn.restype = _MallInfo2
-    return fn
-
-
-def heap_free_bytes() -> int | None:
-    """Free bytes held in malloc's arenas (mallinfo2's fordblks); None where not available."""
-    fn = _mallinfo2()
-    return None if fn is None else int(fn().fordblks)
-
-
-def release_freed_memory(min_free: int = 256 * 2**20) -> bool:
-    """Return the heap's free pages to the OS when at least `min_free` bytes are free; False
-    where that is not possible or when less is free (nothing is trimmed then)."""
-    trim = getattr(_libc(), "malloc_trim", None)
-    if trim is None:
+def hold_freed_memory() -> bool:
+    """No mmapped blocks, no trimming of the heap's top (glibc's mallopt); False where the C
+    library has no mallopt or refuses either setting."""
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         return False
-    free = heap_free_bytes()
-    if free is not None and free < min_free:
-        return False
-    trim(0)
-    return True
+    return bool(mallopt(M_MMAP_MAX, 0)) & bool(mallopt(M_TRIM_THRESHOLD, NEVER_TRIM))

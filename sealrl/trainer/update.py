@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from sealrl.experience import ExperienceBatch
 from sealrl.trainer.iteration_metrics import ref_kl
-from sealrl.trainer.memory import release_freed_memory
 from sealrl.trainer.state import StageFailed
 
 
@@ -13,7 +12,6 @@ def update(run, batch: ExperienceBatch, version, it: int) -> dict:
     cfg = run.cfg
     with run.stage("update", "actor"):
         metrics = update_with_rollback(run, batch, version, it)
-        release_freed_memory()   # the activations and the rollback copy (memory.py)
     metrics["kl/beta"] = run.kl_ctl.beta          # the beta this iteration used (reward or loss)
     if cfg.algorithm.kl_target > 0:
         run.kl_ctl.update(ref_kl(batch), len(batch))
