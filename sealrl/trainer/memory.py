@@ -11,8 +11,8 @@ against 32 s with the memory held (docs/benchmarks.md, "Session 8").
 
 `hold_freed_memory()` tells malloc to allocate every block from the heap and never to trim its
 top, so freed memory stays resident and is reused. The resident set stays near the run's peak
-between passes; the peak itself did not grow (SmolLM2, 6 iterations: 9.66 GB held, 9.25-9.59 GB
-trimmed after every update and sync). It changes no number. It is process-wide and stays in
+between passes, and the peak stays close to the trimmed one's (SmolLM2, 6 iterations: 9.66 GB
+held against 9.25-9.59 GB trimmed after every update and sync). It changes no number. It is process-wide and stays in
 force after the run (`run.hold_freed_memory=false` leaves malloc as it is in the driver's
 process); a no-op where the C library has no mallopt (musl, macOS).
 """
