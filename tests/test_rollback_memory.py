@@ -138,8 +138,11 @@ def test_a_synchronous_publish_keeps_no_copy_of_the_published_weights(staleness)
 
 # Run in a fresh interpreter: the heap of a long test session (earlier tests, glibc's dynamic
 # mmap and trim thresholds) decides where blocks land; a new process starts from glibc's defaults.
-# A "pass" allocates and touches 32 blocks of 8 MiB, then frees them (an update's activations);
-# the last of four passes' page faults say whether the earlier passes' memory was there to reuse.
+# A "pass" allocates and touches 6 blocks of 40 MiB, then frees them (an update's activations,
+# a logits chunk); the last of four passes' page faults say whether the earlier passes' memory
+# was there to reuse. Blocks above 32 MiB (glibc's largest dynamic mmap threshold) are always
+# mmapped by default, so without holding every pass faults its pages in again, whatever else
+# the heap holds.
 HOLD = """
 import os, resource, sys, torch
 from sealrl.trainer.memory import hold_freed_memory
@@ -149,7 +152,7 @@ def rss():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 def a_pass():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    blocks = [torch.ones(2**21) for _ in range(32)]
+    blocks = [torch.ones(10 * 2**20) for _ in range(6)]
     peak = rss()
     del blocks
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, peak
@@ -173,7 +176,10 @@ def test_held_memory_is_reused_without_page_faults():
     if held != "True":
         pytest.skip("no mallopt in this C library")
     default_faults = _last_pass("default")[1]
-    pages = 2**28 // os.sysconf("SC_PAGE_SIZE")   # what a pass touches
+    pass_bytes = 6 * 40 * 2**20
+    pages = pass_bytes // os.sysconf("SC_PAGE_SIZE")   # what a pass touches
     assert default_faults >= pages // 2   # glibc's default: the blocks went back to the OS at free()
     assert faults < pages // 50           # held: the last pass reuses the earlier passes' pages
-    assert peak - first_peak < 2**28 // 4  # and the heap did not grow by a pass each time
+    # the heap may settle up to about a pass higher (a block cannot always reuse the hole of an
+    # equal one: alignment slack); growing by a pass each time would be 3 passes by the last one
+    assert peak - first_peak < pass_bytes * 3 // 2

@@ -11,10 +11,12 @@ against 32 s with the memory held (docs/benchmarks.md, "Session 8").
 
 `hold_freed_memory()` tells malloc to allocate every block from the heap and never to trim its
 top, so freed memory stays resident and is reused. The resident set stays near the run's peak
-between passes, and the peak stays close to the trimmed one's (SmolLM2, 6 iterations: 9.66 GB
-held against 9.25-9.59 GB trimmed after every update and sync). It changes no number. It is process-wide and stays in
-force after the run (`run.hold_freed_memory=false` leaves malloc as it is in the driver's
-process); a no-op where the C library has no mallopt (musl, macOS).
+between passes. The peak may settle up to about one pass's allocations higher while the heap
+finds its layout (a block cannot always reuse the hole of an equal one); measured, it stays
+close (SmolLM2, 6 iterations: 9.66 GB held against 9.25-9.59 GB trimmed after every update and
+sync). It changes no number. It is process-wide and stays in force after the run
+(`run.hold_freed_memory=false` leaves malloc as it is in the driver's process); a no-op where
+the C library has no mallopt (musl, macOS).
 """
 from __future__ import annotations
 
