@@ -143,7 +143,8 @@ def test_a_synchronous_publish_keeps_no_copy_of_the_published_weights(staleness)
 # was there to reuse. Blocks above 32 MiB (glibc's largest dynamic mmap threshold) are always
 # mmapped by default, so without holding every pass faults its pages in again, whatever else
 # the heap holds.
-HOLD = """
+BLOCKS, BLOCK_FLOATS = 6, 10 * 2**20   # a pass: 6 fp32 blocks of 40 MiB
+HOLD = f"""
 import os, resource, sys, torch
 from sealrl.trainer.memory import hold_freed_memory
 held = hold_freed_memory() if sys.argv[1] == "hold" else None
@@ -152,7 +153,7 @@ def rss():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 def a_pass():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    blocks = [torch.ones(10 * 2**20) for _ in range(6)]
+    blocks = [torch.ones({BLOCK_FLOATS}) for _ in range({BLOCKS})]
     peak = rss()
     del blocks
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, peak
@@ -176,7 +177,7 @@ def test_held_memory_is_reused_without_page_faults():
     if held != "True":
         pytest.skip("no mallopt in this C library")
     default_faults = _last_pass("default")[1]
-    pass_bytes = 6 * 40 * 2**20
+    pass_bytes = BLOCKS * BLOCK_FLOATS * 4
     pages = pass_bytes // os.sysconf("SC_PAGE_SIZE")   # what a pass touches
     assert default_faults >= pages // 2   # glibc's default: the blocks went back to the OS at free()
     assert faults < pages // 50           # held: the last pass reuses the earlier passes' pages

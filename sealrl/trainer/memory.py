@@ -42,4 +42,6 @@ def hold_freed_memory() -> bool:
     mallopt = getattr(_libc(), "mallopt", None)
     if mallopt is None:
         return False
-    return bool(mallopt(M_MMAP_MAX, 0)) & bool(mallopt(M_TRIM_THRESHOLD, NEVER_TRIM))
+    no_mmap = bool(mallopt(M_MMAP_MAX, 0))
+    no_trim = bool(mallopt(M_TRIM_THRESHOLD, NEVER_TRIM))   # set even when the first was refused
+    return no_mmap and no_trim
