@@ -2,7 +2,9 @@
 forward it replaces: log-probs, entropy, critic values and every parameter's gradient within
 1e-5 in fp32, padded and packed, full and chunked logits, Llama (MHA, biases) and Qwen2 (GQA,
 tied embeddings, q/k/v biases), sequences of unequal and of equal lengths, LoRA; and the HF
-forward, bit for bit, where the lean one does not apply."""
+forward, bit for bit, where the lean one does not apply. Shared prompts (actor.share_prompts:
+each distinct prompt of a micro-batch run once) against the HF forward on every copy, the same
+quantities and tolerance."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +15,8 @@ from sealrl.config import build_config
 from sealrl.models.critic import CriticModel
 from sealrl.models.lean_forward import lean_hidden, unsupported_reason
 from sealrl.models.lora import apply_lora
-from sealrl.models.packing import TeacherForcing, pack_sequences
+from sealrl.config import ConfigError
+from sealrl.models.packing import TeacherForcing, pack_sequences, pack_shared_prompts
 from sealrl.roles.common import teacher_forcing
 from tests.test_models_packing import PROMPTS, RESPONSES, qwen2_gqa_tied
 
@@ -130,3 +133,54 @@ def test_unsupported_falls_back_to_hf_bitwise():
 def test_config_key_reaches_every_pass():
     assert teacher_forcing(build_config(None, ["actor.lean_forward=true"]).actor).lean is True
     assert teacher_forcing(build_config(None, []).actor).lean is False
+
+
+# groups of samples with one prompt (a GRPO batch), a lone prompt, an empty response
+GROUP_PROMPTS = [[11, 12, 14, 8, 6], [11, 12, 14, 8, 6], [5, 9], [11, 12, 14, 8, 6], [20], [5, 9]]
+GROUP_RESPONSES = [[4, 5, 2], [7, 7, 1, 3, 9], [2, 2], [], [5, 6, 7, 8], [3]]
+
+
+def test_shared_prompt_layout():
+    packed = pack_shared_prompts([[1, 2, 3], [1, 2, 3], [4, 5]], [[6, 7], [8, 9, 10], [11]])
+    assert packed.input_ids[0].tolist() == [1, 2, 3, 6, 7, 8, 9, 10, 4, 5, 11]
+    assert packed.rows == ((0, 1, 2, 3, 4), (0, 1, 2, 5, 6, 7), (8, 9, 10))
+    assert packed.position_ids[0].tolist() == [0, 1, 2, 3, 4, 3, 4, 5, 0, 1, 2]
+    assert packed.predicting_index().tolist() == [2, 3, 2, 5, 6, 9]   # prompt's last state serves both
+    assert packed.predicting_index(extra=1).tolist() == [2, 3, 4, 2, 5, 6, 7, 9, 10]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_shared_prompts_equal_hf(name, chunk):
+    """Log-probs, entropy and every gradient of the shared-prompt forward equal the HF forward
+    run on every sample's own copy of its prompt."""
+    model = MODELS[name]().train()
+    hf = run(model, TeacherForcing(pack=True, chunk=chunk), GROUP_PROMPTS, GROUP_RESPONSES)
+    shared = run(model, TeacherForcing(chunk=chunk, lean=True, share_prompts=True), GROUP_PROMPTS, GROUP_RESPONSES)
+    assert_close(hf, shared)
+    assert shared[0].abs().sum() > 0 and len(shared[3]) == sum(1 for _ in model.parameters())
+    stored = pack_shared_prompts(GROUP_PROMPTS, GROUP_RESPONSES).input_ids.shape[1]
+    assert stored == 5 + 2 + 1 + sum(map(len, GROUP_RESPONSES))   # three prompts, each once
+
+
+def test_shared_prompts_critic_values_equal_hf():
+    torch.manual_seed(5)
+    critic = CriticModel.from_causal_lm(qwen2_gqa_tied()).train()
+    out = {}
+    for tf in (TeacherForcing(pack=True), TeacherForcing(lean=True, share_prompts=True)):
+        critic.zero_grad(set_to_none=True)
+        values, last, mask = tf.values(critic, GROUP_PROMPTS, GROUP_RESPONSES, 0)
+        (values.sum() + 2 * last.sum()).backward()
+        out[tf.lean] = values.detach(), last.detach(), mask, {n: p.grad.clone() for n, p in critic.named_parameters()}
+    (v0, l0, m0, g0), (v1, l1, m1, g1) = out[False], out[True]
+    assert m0.tolist() == m1.tolist() and l1.abs().sum() > 0
+    assert (v0 - v1).abs().max() <= TOL and (l0 - l1).abs().max() <= TOL
+    for n in g0:  # gradients reach ~50 here (sums over many values): 1e-5 relative to their scale
+        assert (g0[n] - g1[n]).abs().max() <= TOL * max(1.0, g0[n].abs().max().item()), n
+
+
+def test_share_prompts_needs_the_lean_forward():
+    cfg = build_config(None, ["actor.lean_forward=true", "actor.share_prompts=true"]).actor
+    assert teacher_forcing(cfg).share_prompts is True
+    with pytest.raises(ConfigError, match="actor.share_prompts"):
+        build_config(None, ["actor.share_prompts=true"])

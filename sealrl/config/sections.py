@@ -241,6 +241,7 @@ class ActorConfig:
     logit_chunk_keep: bool = False         # chunked head: keep its fp32 logits for the backward (no recompute)
     gradient_checkpointing: bool = False   # recompute layer activations in the backward (less memory)
     lean_forward: bool = False             # Llama/Qwen2 passes by models/lean_forward.py (not bitwise HF)
+    share_prompts: bool = False            # lean_forward: a prompt shared by samples of a micro-batch runs once
     dtype: str = "fp32"                    # fp32 | bf16: autocast compute, fp32 master weights + AdamW; bf16 reference
     device: str = "auto"                   # auto | cpu | cuda: the actor's model and passes (auto: cuda when available)
 
@@ -249,6 +250,8 @@ class ActorConfig:
         for key in ("max_tokens_per_micro_batch", "logit_chunk_tokens"):
             _check(getattr(self, key) >= 0, f"actor.{key}", ">= 0 (0 = off)", getattr(self, key))
         _check(self.dtype in ("fp32", "bf16"), "actor.dtype", "fp32 | bf16", self.dtype)
+        _check(self.lean_forward or not self.share_prompts, "actor.share_prompts",
+               "false unless actor.lean_forward=true (the lean forward is what shares them)", self.share_prompts)
         _check(self.device in DEVICES, "actor.device", " | ".join(DEVICES), self.device)
         _check(self.lr_schedule in ("constant", "cosine", "linear"), "actor.lr_schedule",
                "constant | cosine | linear", self.lr_schedule)

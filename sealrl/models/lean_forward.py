@@ -127,6 +127,33 @@ class _Grid:
         return flat if self.uniform else flat.index_select(0, self.index)
 
 
+class _SharedGrid:
+    """A (B, L) attention grid whose rows may share flat tokens: row b holds the flat tokens
+    `rows[b]` (a prompt stored once, then one sample's response), right-padded. Scatter copies
+    each shared token into every row that reads it (its gradient sums over them); gather reads
+    each flat token back from the first row that holds it (all rows compute the same state for
+    a shared prompt: causal attention sees the same prompt tokens at the same positions)."""
+
+    def __init__(self, rows: list[list[int]], n_flat: int, device: torch.device) -> None:
+        self.B, self.L = len(rows), max(len(r) for r in rows)
+        src, dst = [], [-1] * n_flat
+        for b, row in enumerate(rows):
+            src.extend(row + [row[0]] * (self.L - len(row)))  # padding: after the row's end, never attended
+            for col, j in enumerate(row):
+                if dst[j] < 0:
+                    dst[j] = b * self.L + col
+        if min(dst, default=0) < 0:
+            raise ValueError("shared grid: a flat token is in no row")
+        self.src = torch.tensor(src, dtype=torch.long, device=device)  # (B*L,) grid slot -> flat token
+        self.dst = torch.tensor(dst, dtype=torch.long, device=device)  # (N,) flat token -> first grid slot
+
+    def scatter(self, flat: Tensor) -> Tensor:
+        return flat.index_select(0, self.src).view(self.B, self.L, -1)
+
+    def gather(self, grid: Tensor) -> Tensor:
+        return grid.reshape(self.B * self.L, -1).index_select(0, self.dst)
+
+
 def _attention(attn: nn.Module, h: Tensor, grid: _Grid, cos: Tensor, sin: Tensor, cfg) -> Tensor:
     """Causal self-attention of the normalised states h (N, hidden) -> (N, H*D), before o_proj."""
     H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -138,14 +165,19 @@ def _attention(attn: nn.Module, h: Tensor, grid: _Grid, cos: Tensor, sin: Tensor
     return grid.gather(out.transpose(1, 2).flatten(2))  # (N, H*D)
 
 
-def lean_hidden(model: nn.Module, input_ids: Tensor, lengths: list[int], index: Tensor) -> Tensor:
+def lean_hidden(model: nn.Module, input_ids: Tensor, lengths: list[int], index: Tensor,
+                rows: list[list[int]] | None = None) -> Tensor:
     """Final-norm hidden states (len(index), hidden) at flat positions `index` of the packed
     tokens `input_ids` (N,): the sequences of `lengths` concatenated, each attending to itself
-    only, positions restarting at 0 (what models/packing.py's packed forward computes)."""
+    only, positions restarting at 0 (what models/packing.py's packed forward computes).
+
+    With `rows` (models/packing.py's pack_shared_prompts) sequence b is the flat tokens
+    rows[b] instead, at positions 0..len-1: a prompt stored once serves every row that lists
+    it, so its linear layers run once, not once per sample (`lengths` is then unused)."""
     decoder, cfg = decoder_of(model), model.config
     eps, width = cfg.rms_norm_eps, (cfg.hidden_size,)
     act = ACT2FN[cfg.hidden_act]
-    grid = _Grid(lengths, input_ids.device)
+    grid = _Grid(lengths, input_ids.device) if rows is None else _SharedGrid(rows, len(input_ids), input_ids.device)
     x = decoder.embed_tokens(input_ids)  # (N, hidden)
     cos, sin = decoder.rotary_emb(x, torch.arange(grid.L, device=x.device)[None])  # (1, L, D) each
     cos, sin = cos[0, :, None], sin[0, :, None]  # (L, 1, D): broadcast over rows and heads

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from sealrl.models.chunked import chunked_log_probs, output_weight
-from sealrl.models.lean_forward import lean_hidden, unsupported_reason
+from sealrl.models.lean_forward import decoder_of, lean_hidden, unsupported_reason
 from sealrl.models.logprobs import (
     _check_pairs,
     pad_batch,
@@ -87,6 +87,64 @@ def pack_sequences(prompts: list[list[int]], responses: list[list[int]],
                        tuple(len(p) for p in prompts), tuple(len(r) for r in responses))
 
 
+@dataclass(frozen=True)
+class SharedPromptBatch(PackedBatch):
+    """A packed row in which each distinct prompt is stored once: sample i reads the flat
+    tokens rows[i] (its prompt's one copy, then its own response) at positions 0..len-1.
+
+        input_ids   [p0 p1 p2 r0 r1 | s0 s1 s2 | q0 q1 t0]      three samples, two prompts
+        rows        (0 1 2 3 4) (0 1 2 5 6 7) (8 9 10)
+
+    `starts` is the offset of each sample's prompt copy; `position_ids` the position of each
+    flat token in its rows (a shared token has one position in all of them)."""
+
+    rows: tuple[tuple[int, ...], ...] = ()
+
+    def predicting_index(self, extra: int = 0) -> Tensor:
+        idx = [row[p - 1 + j] for row, p, r in zip(self.rows, self.prompt_lens, self.response_lens)
+               for j in range(r + extra)]
+        return torch.tensor(idx, dtype=torch.long, device=self.input_ids.device)
+
+
+def pack_shared_prompts(prompts: list[list[int]], responses: list[list[int]],
+                        device: str | torch.device = "cpu") -> SharedPromptBatch:
+    """Samples with the same prompt ids share one copy of the prompt (a GRPO group's n
+    samples: the prompt's teacher-forced work is done once); other samples are as packed."""
+    _check_pairs(prompts, responses)
+    ids: list[int] = []
+    pos: list[int] = []
+    copies: dict[tuple[int, ...], int] = {}
+    starts, rows = [], []
+    for p, r in zip(prompts, responses):
+        key = tuple(p)
+        if key not in copies:
+            copies[key] = len(ids)
+            ids.extend(p)
+            pos.extend(range(len(p)))
+        start = copies[key]
+        rows.append(tuple(range(start, start + len(p))) + tuple(range(len(ids), len(ids) + len(r))))
+        starts.append(start)
+        ids.extend(r)
+        pos.extend(range(len(p), len(p) + len(r)))
+    return SharedPromptBatch(torch.tensor([ids], dtype=torch.long, device=device),
+                             torch.tensor([pos], dtype=torch.long, device=device), tuple(starts),
+                             tuple(len(p) for p in prompts), tuple(len(r) for r in responses), tuple(rows))
+
+
+def _packed_hidden(model, prompts, responses, extra: int, lean: bool, share: bool):
+    """(packed batch, predicting index, hidden states at it): the lean forward, with the prompts
+    shared when `share`, or the HF decoder on the packed row."""
+    device = next(model.parameters()).device
+    packed = (pack_shared_prompts if lean and share else pack_sequences)(prompts, responses, device)
+    index = packed.predicting_index(extra)
+    if lean:
+        rows = [list(r) for r in packed.rows] if isinstance(packed, SharedPromptBatch) else None
+        return packed, index, lean_hidden(model, packed.input_ids[0], packed.lengths, index, rows)
+    hidden = decoder_of(model)(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                               use_cache=False).last_hidden_state[0, index]
+    return packed, index, hidden
+
+
 def partition_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
     """Indices into `lengths` split into the fewest balanced parts of at most `budget` tokens.
 
@@ -127,29 +185,24 @@ def _flat_log_probs(model, hidden_or_logits: Tensor, tokens: Tensor, temperature
 
 def packed_log_probs(model, prompts: list[list[int]], responses: list[list[int]], temperature: float = 1.0,
                      with_entropy: bool = False, chunk: int = 0, keep_logits: bool = False,
-                     lean: bool = False) -> tuple[Tensor, Tensor | None, Tensor]:
+                     lean: bool = False, share: bool = False) -> tuple[Tensor, Tensor | None, Tensor]:
     """Same contract and numbers as logprobs.response_log_probs, computed on one packed row;
     `chunk` > 0 applies the LM head `chunk` tokens at a time (models/chunked.py); `lean` runs
-    the decoder through models/lean_forward.py instead of the HF module."""
-    device = next(model.parameters()).device
-    packed = pack_sequences(prompts, responses, device)
-    index = packed.predicting_index()  # (M,)
-    targets = packed.input_ids[0, index + 1]  # (M,) the token each position predicts
-    if lean:
-        hidden = lean_hidden(model, packed.input_ids[0], packed.lengths, index)  # (M, H)
-        if chunk:
-            flat_lp, flat_ent = _flat_log_probs(model, hidden, targets, temperature, chunk, with_entropy, keep_logits)
-        else:
-            flat_lp, flat_ent = _flat_log_probs(model, model.get_output_embeddings()(hidden), targets, temperature,
-                                                0, with_entropy)
-    elif chunk:
-        hidden = model.get_decoder()(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                                     use_cache=False).last_hidden_state[0, index]  # (M, H)
+    the decoder through models/lean_forward.py instead of the HF module, and with `share` too
+    runs each distinct prompt once (pack_shared_prompts)."""
+    if lean or chunk:
+        packed, index, hidden = _packed_hidden(model, prompts, responses, 0, lean, share)  # hidden (M, H)
+        targets = torch.tensor([t for r in responses for t in r], dtype=torch.long, device=index.device)
+        if not chunk:
+            hidden = model.get_output_embeddings()(hidden)
         flat_lp, flat_ent = _flat_log_probs(model, hidden, targets, temperature, chunk, with_entropy, keep_logits)
     else:  # logits_to_keep as an index tensor: the LM head runs on the M predicting positions only
+        packed = pack_sequences(prompts, responses, next(model.parameters()).device)
+        index = packed.predicting_index()  # (M,)
         logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
                        logits_to_keep=index).logits[0]  # (M, V)
-        flat_lp, flat_ent = _flat_log_probs(model, logits, targets, temperature, 0, with_entropy)
+        flat_lp, flat_ent = _flat_log_probs(model, logits, packed.input_ids[0, index + 1], temperature, 0,
+                                            with_entropy)
     mask = packed.response_mask().float()
     entropy = packed.to_padded(flat_ent) if with_entropy else None
     return packed.to_padded(flat_lp), entropy, mask
@@ -172,20 +225,13 @@ def padded_chunked_log_probs(model, prompts: list[list[int]], responses: list[li
 
 
 def packed_values(critic, prompts: list[list[int]], responses: list[list[int]],
-                  lean: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                  lean: bool = False, share: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """CriticModel.values on one packed row: (values (B,R), last_values (B,), response_mask (B,R));
-    `lean`: the backbone through models/lean_forward.py."""
-    device = next(critic.parameters()).device
-    packed = pack_sequences(prompts, responses, device)
-    index = packed.predicting_index(extra=1)
-    if lean:
-        hidden = lean_hidden(critic.backbone, packed.input_ids[0], packed.lengths, index)  # (M + B, H)
-    else:
-        hidden = critic.backbone(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                                 use_cache=False).last_hidden_state[0, index]  # (M + B, H)
+    `lean`: the backbone through models/lean_forward.py (`share`: each distinct prompt once)."""
+    packed, _, hidden = _packed_hidden(critic.backbone, prompts, responses, 1, lean, share)  # (M + B, H)
     flat = critic.value_head(hidden.float()).squeeze(-1)  # (M + B,)
     v = packed.to_padded(flat, extra=1)  # (B, R+1)
-    lens = torch.tensor(packed.response_lens, device=device)
+    lens = torch.tensor(packed.response_lens, device=flat.device)
     mask = packed.response_mask().float()
     return v[:, :mask.shape[1]] * mask, v.gather(1, lens[:, None]).squeeze(1), mask
 
@@ -201,6 +247,7 @@ class TeacherForcing:
     chunk: int = 0               # LM-head chunk in tokens (0 = full logits)
     keep_logits: bool = False    # chunked: keep the fp32 logits for the backward (no recompute)
     lean: bool = False           # models/lean_forward.py where it covers the model, else the HF forward
+    share_prompts: bool = False  # lean: a prompt shared by samples of a micro-batch runs once
 
     def micro_batches(self, lengths: list[int]) -> list[list[int]]:
         """Indices into `lengths` (prompt + response tokens per sample), one list per micro-batch."""
@@ -215,7 +262,7 @@ class TeacherForcing:
         lean = self.lean and unsupported_reason(model) is None
         if self.pack or lean:  # the lean forward packs its linear layers whatever `pack` says
             return packed_log_probs(model, prompts, responses, temperature, with_entropy, self.chunk,
-                                    self.keep_logits, lean)
+                                    self.keep_logits, lean, self.share_prompts)
         if self.chunk:
             return padded_chunked_log_probs(model, prompts, responses, temperature, pad_id, with_entropy,
                                             self.chunk, self.keep_logits)
@@ -226,5 +273,5 @@ class TeacherForcing:
         """CriticModel.values, packed or padded (or lean: packed linears, per-sequence attention)."""
         lean = self.lean and unsupported_reason(critic.backbone) is None
         if self.pack or lean:
-            return packed_values(critic, prompts, responses, lean)
+            return packed_values(critic, prompts, responses, lean, self.share_prompts)
         return critic.values(prompts, responses, pad_id=pad_id)

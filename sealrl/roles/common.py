@@ -22,7 +22,8 @@ def teacher_forcing(actor_cfg) -> TeacherForcing:
     """The teacher-forced pass options of a run (actor section), shared by actor, reference, critic."""
     return TeacherForcing(micro_batch_size=actor_cfg.micro_batch_size, max_tokens=actor_cfg.max_tokens_per_micro_batch,
                           pack=actor_cfg.pack_sequences, chunk=actor_cfg.logit_chunk_tokens,
-                          keep_logits=actor_cfg.logit_chunk_keep, lean=actor_cfg.lean_forward)
+                          keep_logits=actor_cfg.logit_chunk_keep, lean=actor_cfg.lean_forward,
+                          share_prompts=actor_cfg.share_prompts)
 
 
 def set_gradient_checkpointing(model, on: bool) -> None:
