@@ -11,11 +11,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from sealrl.config import build_config
+from sealrl.config import ConfigError, build_config
 from sealrl.models.critic import CriticModel
 from sealrl.models.lean_forward import lean_hidden, unsupported_reason
 from sealrl.models.lora import apply_lora
-from sealrl.config import ConfigError
 from sealrl.models.packing import TeacherForcing, pack_sequences, pack_shared_prompts
 from sealrl.roles.common import teacher_forcing
 from tests.test_models_packing import PROMPTS, RESPONSES, qwen2_gqa_tied
