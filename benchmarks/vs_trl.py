@@ -30,15 +30,22 @@ responses run to --max-new-tokens (64); `smollm2` the converted SmolLM2-135M-Ins
 its own tokenizer and chat template, 4 prompts x 8 unless --prompts says otherwise. On mid and
 smollm2 sealrl applies the LM head 1024 tokens at a time (actor.logit_chunk_tokens=1024, the
 memory-lean log-prob path), on mid keeping the chunks' logits for the update's backward
-(actor.logit_chunk_keep=true: one LM-head matmul less, 512 MiB more); --sealrl-set adds any
-other sealrl overrides (e.g. actor.dtype=bf16).
+(actor.logit_chunk_keep=true: one LM-head matmul less, 512 MiB more); on both the teacher-forced
+passes take the lean forward (actor.lean_forward=true) with each group's prompt run once
+(actor.share_prompts=true); --sealrl-set adds any other sealrl overrides (e.g. actor.dtype=bf16).
 
-Useful model FLOPs per step (N = number of model parameters, P_i / R_i = prompt / response
-tokens of sample i, T = sum_i (P_i + R_i)):
+Useful model FLOPs per step (N = number of model parameters, P_g = prompt tokens of group g,
+R_i = response tokens of sample i, T = sum_g P_g + sum_i R_i: a group's n samples share their
+prompt, so its tokens are needed once per group in every pass):
 
-    F = 2 N (sum_groups P + sum_i R_i)      generation (a prompt is prefilled once per group)
+    F = 2 N T                               generation (a prompt is prefilled once per group)
       + 2 N T                               reference log-probs
       + 6 N T                               policy update (forward + backward)
+
+Counting the prompt once per group is what a pass that shares it computes (sealrl's
+actor.share_prompts, set on mid and smollm2); a side that runs each sample's own copy of its
+prompt does more work than F counts. Until session 9 the teacher-forced passes counted every
+sample's copy (T = sum_i (P_i + R_i)), which gives a higher frac_of_matmul for the same time.
 
 No side runs a separate old-log-prob forward here: with one update step over one micro-batch
 both take the old log-probs from the update's own forward.
@@ -77,10 +84,11 @@ from sealrl.data.tasks import EMBEDDED_TASK  # noqa: E402
 from sealrl.rewards.verifiers import answer_text  # noqa: E402
 
 PROMPTS, N_GEN, BETA, LR, NUM_TRAIN, SEED = 16, 8, 0.04, 1e-4, 2000, 0   # PROMPTS: set from --prompts/--shape
-# mid: the lean teacher-forced forward (actor.lean_forward, within 1e-5 of HF's) measured best there
+# mid, smollm2: the lean teacher-forced forward (within 1e-5 of HF's), each group's prompt run once
 SHAPE_SETS = {"tiny": [], "mid": ["actor.logit_chunk_tokens=1024", "actor.logit_chunk_keep=true",
-                                  "actor.lean_forward=true"],
-              "smollm2": ["actor.logit_chunk_tokens=1024", "data.max_prompt_tokens=256"]}
+                                  "actor.lean_forward=true", "actor.share_prompts=true"],
+              "smollm2": ["actor.logit_chunk_tokens=1024", "data.max_prompt_tokens=256",
+                          "actor.lean_forward=true", "actor.share_prompts=true"]}
 
 
 def parse_args() -> argparse.Namespace:
@@ -122,9 +130,8 @@ def num_params(model_path: Path) -> int:
 
 def step_flops(n: int, prompt_tokens: list[int], response_tokens: list[float]) -> float:
     """Useful FLOPs of one step (the formula of the module docstring); one list entry per sample."""
-    total = sum(prompt_tokens) + sum(response_tokens)
-    generation = sum(prompt_tokens) / N_GEN + sum(response_tokens)   # one prefill per group
-    return 2 * n * generation + 2 * n * total + 6 * n * total
+    tokens = sum(prompt_tokens) / N_GEN + sum(response_tokens)   # each group's prompt once
+    return (2 + 2 + 6) * n * tokens
 
 
 # ---- sealrl -------------------------------------------------------------------------------
