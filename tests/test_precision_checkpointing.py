@@ -104,3 +104,23 @@ def test_cuda_chunked_packed_bf16_update_runs_on_the_device():
     metrics, grads = _update_grads(actor)
     assert all(g.device.type == "cuda" and g.dtype == torch.float32 for g in grads)
     assert metrics["actor/grad_norm"] > 0
+
+
+def test_fused_adamw_takes_the_default_steps_up_to_rounding():
+    """actor.fused_adamw / critic.fused_adamw: torch's fused kernel, the same AdamW update as the
+    default loop to float rounding (three real steps, then the weights compared); off, the
+    default is the per-parameter loop on the CPU."""
+    weights = {}
+    for fused in (False, True):
+        actor = _actor(f"actor.fused_adamw={str(fused).lower()}")
+        assert actor.optimizer.defaults["fused"] is (True if fused else None)
+        for step in range(3):
+            actor.update(make_batch(), V0, step, step, kl_coef=0.0)
+        weights[fused] = [p.detach().clone() for p in actor.model.parameters()]
+    start = [p.detach() for p in make_model().parameters()]
+    moved = max(float((a - b).abs().max()) for a, b in zip(weights[False], start))
+    assert moved > 1e-4   # the steps moved the weights (lr 1e-3)
+    assert max(float((a - b).abs().max()) for a, b in zip(weights[False], weights[True])) <= 1e-6
+    cfg = build_config(None, ["algorithm.name=ppo", "critic.fused_adamw=true"])
+    critic = Critic(CriticModel.from_causal_lm(make_model()), cfg.critic, 0, 16, "token-mean", HORIZON)
+    assert critic.optimizer.defaults["fused"] is True

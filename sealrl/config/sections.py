@@ -216,6 +216,7 @@ class ActorConfig:
     weight_decay: float = 0.0              # AdamW weight decay
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
     adam_eps: float = 1e-8                 # AdamW epsilon
+    fused_adamw: bool = False              # torch's fused AdamW kernel (faster; not bitwise the default loop)
     warmup_steps: int = 0                  # linear warm-up (optimizer steps)
     lr_schedule: str = "constant"          # constant | cosine | linear (decay after warm-up)
     min_lr_ratio: float = 0.0              # floor of the decay, as a fraction of lr
@@ -278,6 +279,7 @@ class CriticConfig:
     lr: float = 1e-4                       # critic AdamW learning rate (PPO only)
     weight_decay: float = 0.0              # critic AdamW weight decay
     adam_eps: float = 1e-8                 # critic AdamW epsilon
+    fused_adamw: bool = False              # torch's fused AdamW kernel (faster; not bitwise the default loop)
     value_clip: float = 0.0                # value-loss clip (0 = off)
     grad_clip: float = 1.0                 # critic max grad norm (0 = off)
     warmup_steps: int = 0                  # critic linear warm-up

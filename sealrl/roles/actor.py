@@ -51,10 +51,8 @@ class Actor:
         made again after FSDP2 replaces them with DTensors."""
         cfg = self.cfg
         params = [p for p in self.model.parameters() if p.requires_grad]
-        # foreach: one multi-tensor kernel per update term instead of one per parameter, the
-        # same arithmetic (the default runs' weights are bit for bit those of the per-parameter loop)
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
-                                 weight_decay=cfg.weight_decay, foreach=True)
+        return common.adamw(params, cfg.fused_adamw, lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
+                            weight_decay=cfg.weight_decay)
 
     # ---- versions and export ------------------------------------------------------------
     def export(self) -> tuple[dict[str, torch.Tensor], WeightManifest | AdapterManifest]:

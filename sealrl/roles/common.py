@@ -26,6 +26,14 @@ def teacher_forcing(actor_cfg) -> TeacherForcing:
                           share_prompts=actor_cfg.share_prompts)
 
 
+def adamw(params, fused: bool, **hyper) -> torch.optim.AdamW:
+    """AdamW with torch's default implementation for the parameters' device (on the CPU the
+    per-parameter loop, on CUDA the multi-tensor one: bit for bit the same arithmetic), or with
+    `fused` its fused kernel (one pass over each tensor, 4-6x faster on the CPU; same update up
+    to float rounding, not bitwise)."""
+    return torch.optim.AdamW(params, fused=True, **hyper) if fused else torch.optim.AdamW(params, **hyper)
+
+
 def set_gradient_checkpointing(model, on: bool) -> None:
     """Activation checkpointing of a Hugging Face model (non-reentrant: exact same numbers)."""
     if on:

@@ -36,8 +36,8 @@ class Critic:
         """AdamW over the model's trainable parameters (with LoRA: the adapter and the value head);
         made again after FSDP2 replaces them with DTensors."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=self.cfg.lr, eps=self.cfg.adam_eps,
-                                 weight_decay=self.cfg.weight_decay)
+        return common.adamw(params, self.cfg.fused_adamw, lr=self.cfg.lr, eps=self.cfg.adam_eps,
+                            weight_decay=self.cfg.weight_decay)
 
     @property
     def version(self) -> str:
