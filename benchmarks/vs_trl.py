@@ -32,9 +32,10 @@ smollm2 sealrl applies the LM head 1024 tokens at a time (actor.logit_chunk_toke
 memory-lean log-prob path), on mid keeping the chunks' logits for the update's backward
 (actor.logit_chunk_keep=true: one LM-head matmul less, 512 MiB more). On every shape sealrl's
 teacher-forced passes take the lean forward (actor.lean_forward=true) with each group's prompt
-run once (actor.share_prompts=true): both opt-in, within 1e-5 of the HF forward, not bitwise.
---sealrl-set adds other sealrl overrides, or undoes these (actor.lean_forward=false
-actor.share_prompts=false: sealrl's defaults), e.g. actor.dtype=bf16.
+run once (actor.share_prompts=true), and its AdamW the fused kernel (actor.fused_adamw=true):
+opt-in settings, within float rounding of the defaults, not bitwise. --sealrl-set adds other
+sealrl overrides, or undoes these (actor.lean_forward=false actor.share_prompts=false
+actor.fused_adamw=false: sealrl's defaults), e.g. actor.dtype=bf16.
 
 Useful model FLOPs per step (N = number of model parameters, P_g = prompt tokens of group g,
 R_i = response tokens of sample i, T = sum_g P_g + sum_i R_i: a group's n samples share their
@@ -86,10 +87,11 @@ from sealrl.data.tasks import EMBEDDED_TASK  # noqa: E402
 from sealrl.rewards.verifiers import answer_text  # noqa: E402
 
 PROMPTS, N_GEN, BETA, LR, NUM_TRAIN, SEED = 16, 8, 0.04, 1e-4, 2000, 0   # PROMPTS: set from --prompts/--shape
-# every shape: the lean teacher-forced forward (within 1e-5 of HF's), each group's prompt run once
-LEAN = ["actor.lean_forward=true", "actor.share_prompts=true"]
-SHAPE_SETS = {"tiny": LEAN, "mid": ["actor.logit_chunk_tokens=1024", "actor.logit_chunk_keep=true", *LEAN],
-              "smollm2": ["actor.logit_chunk_tokens=1024", "data.max_prompt_tokens=256", *LEAN]}
+# every shape: the lean teacher-forced forward (within 1e-5 of HF's), each group's prompt run once,
+# the fused AdamW kernel (equal to rounding): sealrl's opt-in speed settings, none of them bitwise
+OPT_IN = ["actor.lean_forward=true", "actor.share_prompts=true", "actor.fused_adamw=true"]
+SHAPE_SETS = {"tiny": OPT_IN, "mid": ["actor.logit_chunk_tokens=1024", "actor.logit_chunk_keep=true", *OPT_IN],
+              "smollm2": ["actor.logit_chunk_tokens=1024", "data.max_prompt_tokens=256", *OPT_IN]}
 
 
 def parse_args() -> argparse.Namespace:

@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from sealrl.config import ConfigError, build_config
 from sealrl.models.critic import CriticModel
-from sealrl.models.lean_forward import lean_hidden, unsupported_reason
+from sealrl.models.lean_forward import MATH_ATTENTION_MAX_LEN, lean_hidden, unsupported_reason
 from sealrl.models.lora import apply_lora
 from sealrl.models.packing import TeacherForcing, pack_sequences, pack_shared_prompts
 from sealrl.roles.common import teacher_forcing
@@ -21,6 +21,8 @@ from tests.test_models_packing import PROMPTS, RESPONSES, qwen2_gqa_tied
 
 TOL = 1e-5
 EQUAL_PROMPTS, EQUAL_RESPONSES = [[3, 4, 5], [6, 7, 8], [9, 10, 11]], [[12, 13], [14, 15], [16, 17]]
+# rows longer than lean_forward.MATH_ATTENTION_MAX_LEN: the fused attention kernel with gradients
+LONG_PROMPTS, LONG_RESPONSES = [list(range(3, 23)), [5, 6]], [list(range(30, 42)), [7, 8, 9]]
 
 
 def llama_biased():
@@ -58,7 +60,8 @@ def assert_close(a, b):
 def test_lean_equals_hf(name, pack, chunk):
     model = MODELS[name]().train()  # train mode: no dropout in these configs, so lean applies
     assert unsupported_reason(model) is None
-    for prompts, responses in ((PROMPTS, RESPONSES), (EQUAL_PROMPTS, EQUAL_RESPONSES)):
+    assert len(LONG_PROMPTS[0]) + len(LONG_RESPONSES[0]) > MATH_ATTENTION_MAX_LEN
+    for prompts, responses in ((PROMPTS, RESPONSES), (EQUAL_PROMPTS, EQUAL_RESPONSES), (LONG_PROMPTS, LONG_RESPONSES)):
         hf = run(model, TeacherForcing(pack=pack, chunk=chunk), prompts, responses)
         lean = run(model, TeacherForcing(pack=pack, chunk=chunk, lean=True), prompts, responses)
         assert_close(hf, lean)

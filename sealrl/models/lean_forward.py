@@ -38,10 +38,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.activations import ACT2FN
 
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
-# Rows up to this length take the math attention kernel (matmuls and a softmax), longer ones the
-# fused CPU kernel: on 2 cores the fused kernel's forward + backward took 1.2-3x as long at 10-24
-# tokens (its fixed cost per block), the math kernel's 1.1-1.3x as long from 32 on
-# (docs/benchmarks.md, "Session 9").
+# With gradients, rows up to this length take the math attention kernel (matmuls and a softmax),
+# longer ones the fused CPU kernel: on 2 cores the fused kernel's forward + backward took 1.2-3x
+# as long at 10-24 tokens (its fixed cost per block), the math kernel's 1.1-1.3x as long from 32
+# on; without gradients the fused forward alone was as fast or faster (docs/benchmarks.md,
+# "Session 9").
 MATH_ATTENTION_MAX_LEN = 24
 
 
@@ -169,7 +170,7 @@ def _attention(attn: nn.Module, h: Tensor, grid: _Grid, cos: Tensor, sin: Tensor
     qkv = grid.scatter(_fused(h, (attn.q_proj, attn.k_proj, attn.v_proj))).unflatten(-1, (H + 2 * Hkv, D))
     qk = _rotate(qkv[:, :, :H + Hkv], cos, sin)  # (B, L, H+Hkv, D)
     q, k, v = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), qkv[:, :, H + Hkv:].transpose(1, 2)
-    short = grid.L <= MATH_ATTENTION_MAX_LEN and q.device.type == "cpu"
+    short = grid.L <= MATH_ATTENTION_MAX_LEN and q.device.type == "cpu" and torch.is_grad_enabled()
     with sdpa_kernel(SDPBackend.MATH) if short else nullcontext():
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=H != Hkv)
     return grid.gather(out.transpose(1, 2).flatten(2))  # (N, H*D)
