@@ -41,8 +41,8 @@ STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 # With gradients, rows up to this length take the math attention kernel (matmuls and a softmax),
 # longer ones the fused CPU kernel: on 2 cores the fused kernel's forward + backward took 1.2-3x
 # as long at 10-24 tokens (its fixed cost per block), the math kernel's 1.1-1.3x as long from 32
-# on; without gradients the fused forward alone was as fast or faster (docs/benchmarks.md,
-# "Session 9").
+# on at head size 64; without gradients (the reference pass) the fused kernel was as fast or
+# faster in the embedded model's training (docs/benchmarks.md, "Session 9").
 MATH_ATTENTION_MAX_LEN = 24
 
 
