@@ -143,11 +143,11 @@ class _SharedGrid:
     each flat token back from the first row that holds it (all rows compute the same state for
     a shared prompt: causal attention sees the same prompt tokens at the same positions)."""
 
-    def __init__(self, rows: list[list[int]], n_flat: int, device: torch.device) -> None:
+    def __init__(self, rows, n_flat: int, device: torch.device) -> None:
         self.B, self.L = len(rows), max(len(r) for r in rows)
         src, dst = [], [-1] * n_flat
         for b, row in enumerate(rows):
-            src.extend(row + [row[0]] * (self.L - len(row)))  # padding: after the row's end, never attended
+            src.extend((*row, *[row[0]] * (self.L - len(row))))  # padding: after the row's end, never attended
             for col, j in enumerate(row):
                 if dst[j] < 0:
                     dst[j] = b * self.L + col
@@ -177,7 +177,7 @@ def _attention(attn: nn.Module, h: Tensor, grid: _Grid, cos: Tensor, sin: Tensor
 
 
 def lean_hidden(model: nn.Module, input_ids: Tensor, lengths: list[int], index: Tensor,
-                rows: list[list[int]] | None = None) -> Tensor:
+                rows: tuple[tuple[int, ...], ...] | None = None) -> Tensor:
     """Final-norm hidden states (len(index), hidden) at flat positions `index` of the packed
     tokens `input_ids` (N,): the sequences of `lengths` concatenated, each attending to itself
     only, positions restarting at 0 (what models/packing.py's packed forward computes).

@@ -138,7 +138,7 @@ def _packed_hidden(model, prompts, responses, extra: int, lean: bool, share: boo
     packed = (pack_shared_prompts if lean and share else pack_sequences)(prompts, responses, device)
     index = packed.predicting_index(extra)
     if lean:
-        rows = [list(r) for r in packed.rows] if isinstance(packed, SharedPromptBatch) else None
+        rows = packed.rows if isinstance(packed, SharedPromptBatch) else None
         return packed, index, lean_hidden(model, packed.input_ids[0], packed.lengths, index, rows)
     hidden = decoder_of(model)(input_ids=packed.input_ids, position_ids=packed.position_ids,
                                use_cache=False).last_hidden_state[0, index]
