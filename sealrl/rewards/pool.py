@@ -35,10 +35,13 @@ scorer returns (a driver ended by its stage watchdog kills its children first).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import multiprocessing as mp
+import os
 import pickle
+import signal
 import subprocess
 import sys
 import time
@@ -62,7 +65,9 @@ class _Worker:
     started: float
     ready: bool = False
     request: list[RewardSample] | None = None
+    request_id: int = -1              # the id the reply must carry (a pool-wide sequence number)
     deadline: float = math.inf
+    pid: int = 0                      # the pid that said "ready": the only one whose replies count
 
 
 class RewardPool:
@@ -85,6 +90,11 @@ class RewardPool:
         self._scorers: list[_Worker] = []
         self._closed = False
         self._streaming = False   # a ScoreStream is open: its requests hold the workers
+        self._request_ids = itertools.count()
+        # Replies refused: for no request the worker holds, or not from the worker's own process
+        # (a scorer that forked). Counted, never joined (reward/stray_replies).
+        self.stray_replies = 0
+        self.scored_by: dict[str, int] = {}   # sample id -> pid of the scorer process that answered
         # Kills the workers if the pool is dropped without close(); holds the list, not self.
         self._finalizer = weakref.finalize(self, _shutdown, self._scorers)
         if num_scorers == 0:
@@ -107,6 +117,13 @@ class RewardPool:
     def worker_pids(self) -> list[int]:
         """Process ids of the current workers (empty inline or after close)."""
         return [w.process.pid for w in self._scorers]
+
+    def take_scored(self) -> tuple[dict[str, int], int]:
+        """(sample id -> pid of the scorer process whose reply was joined, stray replies refused)
+        since the last take (then forgotten); nothing inline."""
+        scored, stray = self.scored_by, self.stray_replies
+        self.scored_by, self.stray_replies = {}, 0
+        return scored, stray
 
     def score(self, samples: Iterable[RewardSample]) -> list[RewardRecord]:
         """One RewardRecord per sample, in input order; sample ids must be unique."""
@@ -196,13 +213,14 @@ class RewardPool:
 
     def _dispatch(self, w: _Worker, requests: deque[list[RewardSample]]) -> None:
         request = requests.popleft()
+        request_id = next(self._request_ids)
         try:
-            w.conn.send(request)
+            w.conn.send((request_id, request))
         except OSError:  # it died while idle: the request never reached it
             requests.appendleft(request)
             self._replace(w)
             return
-        w.request = request
+        w.request, w.request_id = request, request_id
         w.deadline = time.monotonic() + self.timeout_s
 
     def _receive(self, w: _Worker, requests: deque[list[RewardSample]],
@@ -220,16 +238,34 @@ class RewardPool:
             self._replace(w)
             return
         if kind == "ready":
-            w.ready = True
+            w.ready, w.pid = True, int(payload)
         elif kind == "startup_error":
             hint = ("; a scorer defined in the driver's __main__ cannot be imported by a worker, "
                     "move it to a module") if "__main__" in payload else ""
             self._broken(f"a worker could not start the scorer: {payload}{hint}")
-        else:  # "done"
-            assert w.request is not None and len(payload) == len(w.request)
-            for sample, outcome in zip(w.request, payload):
-                results[sample.sample_id] = self._record(outcome)
-            w.request, w.deadline = None, math.inf
+        elif not self._join(w, payload, results):
+            # Refused and counted: a reply that is not the held request's answer from the worker's
+            # own process means another process writes to its pipe (a scorer that forked). What
+            # it holds can no longer be trusted, so its request becomes an error and it is replaced.
+            self.stray_replies += 1
+            if w.request is not None:
+                self._fail(w, RewardStatus.ERROR, f"worker pid {w.pid} sent a reply for a request it "
+                           f"does not hold (stray reply refused; did the scorer fork?){_batch_note(w.request)}",
+                           results)
+            self._replace(w)
+
+    def _join(self, w: _Worker, payload: tuple, results: dict[str, RewardRecord]) -> bool:
+        """Take a ("done", (request id, pid, sample ids, outcomes)) reply if it answers exactly the
+        request `w` holds, from `w`'s own process; False (nothing joined) otherwise."""
+        request_id, pid, ids, outcomes = payload
+        if (w.request is None or request_id != w.request_id or pid != w.pid
+                or list(ids) != [s.sample_id for s in w.request] or len(outcomes) != len(ids)):
+            return False
+        for sample, outcome in zip(w.request, outcomes):
+            results[sample.sample_id] = self._record(outcome)
+            self.scored_by[sample.sample_id] = pid
+        w.request, w.deadline = None, math.inf
+        return True
 
     def _fail(self, w: _Worker, status: RewardStatus, detail: str,
               results: dict[str, RewardRecord]) -> None:
@@ -249,8 +285,9 @@ class RewardPool:
     def _spawn(self) -> _Worker:
         parent_conn, child_conn = mp.Pipe(duplex=True)  # a socketpair
         fd = child_conn.fileno()
+        # Its own session: a kill takes whatever the scorer forked along with it (_kill).
         process = subprocess.Popen([sys.executable, "-c", BOOTSTRAP, str(fd), json.dumps(sys.path)],
-                                   pass_fds=(fd,), stdin=subprocess.DEVNULL)
+                                   pass_fds=(fd,), stdin=subprocess.DEVNULL, start_new_session=True)
         child_conn.close()  # only the child holds its end: its death reads as EOF here
         w = _Worker(process, parent_conn, time.monotonic())
         try:
@@ -345,7 +382,10 @@ def _exit_code(w: _Worker) -> int | None:
 
 
 def _kill(w: _Worker) -> None:
-    w.process.kill()  # SIGKILL: a hung C extension ignores anything softer
+    try:  # SIGKILL to the worker's session: a hung C extension ignores anything softer, and a
+        os.killpg(w.process.pid, signal.SIGKILL)   # process the scorer forked dies with it
+    except (ProcessLookupError, PermissionError):
+        w.process.kill()
     w.process.wait()  # reap: no zombie left
     w.conn.close()
 

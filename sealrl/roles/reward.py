@@ -20,6 +20,12 @@ class Reward:
         samples = [_reward_sample(item) for item in items]
         return [(s.sample_id, r) for s, r in zip(samples, self.pool.score(samples), strict=True)]
 
+    def take_served(self) -> tuple[list[dict], int]:
+        """([{"scored_by": {sample id: scorer pid}}] or [], stray replies refused) since the last
+        take: which scorer process answered each sample (served.jsonl), never an in-process one."""
+        scored, stray = self.pool.take_scored()
+        return ([{"scored_by": scored}] if scored else []), stray
+
     def stream(self) -> "RewardStream":
         """Score items as they are handed in, while the rollout still generates (reward.stream)."""
         return RewardStream(self.pool.stream())

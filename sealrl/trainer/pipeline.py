@@ -72,6 +72,7 @@ def produce(run, it: int, indices: list[int], version) -> Produced:
                                      prompts)
     prompt_map = dict(zip(requests, prompts))
     roles.rollout.take_served()   # forget who served the evaluation's calls
+    roles.reward.take_served()
     with early_scores(run, prompt_map.__getitem__) as early:   # reward.stream: scored as they finish
         with run.stage("generate", "rollout"):
             groups = generate(run, ledger, requests, version, early)
@@ -84,7 +85,10 @@ def produce(run, it: int, indices: list[int], version) -> Produced:
     if cfg.algorithm.name == "remax":    # ReMax: the reward of a greedy response per prompt is the baseline
         kept, baselines = greedy_baselines(run, it, version, ledger, kept, prompt_map, served)
     ledger.commit(list(kept))
-    metrics = {**ledger.counts(), **rollout_metrics(groups, records, run.timer.stage_seconds["generate"]),
+    scored, stray = roles.reward.take_served()   # scorer processes: which one answered each sample
+    served += scored
+    metrics = {**ledger.counts(), "reward/stray_replies": stray,
+               **rollout_metrics(groups, records, run.timer.stage_seconds["generate"]),
                **stage_io_metrics(run.timer.stage_spans, groups, roles.rollout.take_recoveries()),
                **episode_metrics([s for ss in groups.values() for s in ss])}
     return Produced(it, version, ledger, prompt_map.__getitem__, groups, kept, records, texts, served, metrics,
