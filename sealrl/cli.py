@@ -7,6 +7,7 @@ other exception is a bug: its full traceback is printed and the exit status is 1
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -34,6 +35,11 @@ def _train(args) -> int:
               f"after {summary['iterations']} iterations, {summary['wall_s']:.0f} s of training; "
               f"run folder {summary['run_dir']}")
     print(json.dumps({k: summary[k] for k in ("accuracy_before", "accuracy_after", "wall_s", "iterations")}))
+    if summary["stopped_by"]:   # SIGTERM / SIGINT: a requested stop at a checkpoint (trainer/stopping.py)
+        print(f"sealrl: stopped by {summary['stopped_by']} after {summary['iterations']} of {cfg.run.iterations} "
+              f"iterations, checkpoint step_{summary['iterations']} committed; resume=auto continues "
+              f"(exit status {summary['exit_status']})", file=sys.stderr)
+        return summary["exit_status"]
     if not summary["completed"]:   # the user's wall cap: a clean stop at a checkpoint, not a failure
         print(f"sealrl: stopped at the wall cap (run.max_wall_s={cfg.run.max_wall_s:g}) after "
               f"{summary['iterations']} of {cfg.run.iterations} iterations, checkpoint committed; "
@@ -91,16 +97,29 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _quiet_libraries()
         return args.fn(args)
-    except KeyboardInterrupt:
-        print("sealrl: interrupted", file=sys.stderr)
+    except KeyboardInterrupt:   # a second SIGINT/SIGTERM during training, or Ctrl-C elsewhere
+        kept = "; nothing after the last committed checkpoint was kept" if args.fn is _train else ""
+        print(f"sealrl: interrupted{kept}", file=sys.stderr)
         return 130
     except UserError as e:
         print(f"sealrl: error: {e}", file=sys.stderr)
         return 2
-    except Exception:   # a bug, not the user's input: keep everything needed to find it
-        traceback.print_exc()
-        print("sealrl: internal error (the traceback above); please report it", file=sys.stderr)
-        return 1
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            return _internal_error()
+        print(f"sealrl: error: disk full writing {e.filename or 'the run folder'} ({e.strerror}); nothing "
+              "after the last committed checkpoint is kept: free space, then resume=auto continues from it",
+              file=sys.stderr)
+        return 2
+    except Exception:
+        return _internal_error()
+
+
+def _internal_error() -> int:
+    """A bug, not the user's input: keep everything needed to find it."""
+    traceback.print_exc()
+    print("sealrl: internal error (the traceback above); please report it", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ actions: raise          raise InjectedFault (the stage fails; the driver's recov
          hang           never return; the stage watchdog (run.stage_timeout_s) ends the process
                         naming the stage, and resume=auto continues from the last checkpoint
          delay=SECONDS  sleep, then go on
+         term, int      send SIGTERM / SIGINT to this process, as a supervisor or Ctrl-C would
+                        (trainer/stopping.py: the iteration finishes, a checkpoint, exit 143 / 130)
          corrupt        the caller corrupts what it is about to deliver (weight_sync)
          twice          the caller delivers its output twice (generate samples, reward records):
                         the second copy is dropped by its key and counted
@@ -31,7 +33,7 @@ import time
 
 STAGES = ("generate", "reward", "reference", "old_log_prob", "update", "before_optimizer_step",
           "weight_sync", "checkpoint_before_marker", "checkpoint_after_marker", "after_checkpoint")
-ACTIONS = ("raise", "kill", "hang", "delay", "corrupt", "twice", "late")
+ACTIONS = ("raise", "kill", "hang", "delay", "corrupt", "twice", "late", "term", "int")
 # Where a caller carries the action out; elsewhere it would silently do nothing, so it is refused.
 DELIVERY = {"corrupt": ("weight_sync",), "twice": ("generate", "reward"), "late": ("generate", "reward")}
 _fired: set[str] = set()
@@ -50,7 +52,7 @@ def _plan() -> dict[tuple[str, int], tuple[str, str]]:
         if stage not in STAGES or name not in ACTIONS or not it.isdigit():
             raise ValueError(f"SEALRL_FAULTS entry {item!r} must be stage@iteration:action with stage in "
                              f"{', '.join(STAGES)} and action raise | kill | hang | delay=SECONDS | corrupt "
-                             f"| twice | late")
+                             f"| twice | late | term | int")
         if stage not in DELIVERY.get(name, STAGES):
             raise ValueError(f"SEALRL_FAULTS entry {item!r}: action {name} applies only at stage "
                              f"{' | '.join(DELIVERY[name])}")
@@ -66,8 +68,8 @@ def point(stage: str, iteration: int) -> str:
         return ""
     item, action = entry
     _fired.add(item)
-    if action == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
+    if action in ("kill", "term", "int"):
+        os.kill(os.getpid(), {"kill": signal.SIGKILL, "term": signal.SIGTERM, "int": signal.SIGINT}[action])
     if action == "raise":
         raise InjectedFault(f"injected fault at stage {stage}, iteration {iteration}")
     if action == "hang":

@@ -74,6 +74,7 @@ class RunConfig:
     iterations: int = resumable(60)        # RL iterations (one optimizer phase each)
     resume: str = resumable("never")       # never | auto (continue from the latest committed checkpoint)
     checkpoint_every: int = resumable(50)  # iterations between checkpoints (and one at the end); 0 = only at the end
+    keep_checkpoints: int = resumable(0)   # newest committed checkpoints kept, older ones deleted (0 = keep all)
     eval_every: int = resumable(0)         # iterations between held-out evaluations; 0 = before/after only
     max_wall_s: float = resumable(0.0)     # training seconds, then a clean stop: checkpoint, exit 0 (0 = none)
     threads: int = 0                       # torch threads (0 = leave torch's default)
@@ -87,6 +88,7 @@ class RunConfig:
         _check(self.resume in ("never", "auto"), "run.resume", "never or auto", self.resume)
         _check(self.iterations >= 1, "run.iterations", ">= 1", self.iterations)
         _check(self.checkpoint_every >= 0, "run.checkpoint_every", ">= 0", self.checkpoint_every)
+        _check(self.keep_checkpoints >= 0, "run.keep_checkpoints", ">= 0 (0 = keep all)", self.keep_checkpoints)
         _check(self.stage_timeout_s >= 0, "run.stage_timeout_s", ">= 0 (0 = no deadline)", self.stage_timeout_s)
         unknown = [x for x in self.loggers.split(",") if x.strip() and x.strip() not in LOGGERS]
         _check(not unknown, "run.loggers", f"a comma list of {' | '.join(LOGGERS)}", self.loggers)

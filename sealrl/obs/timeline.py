@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -143,7 +144,13 @@ class StageTimer:
             return
         old = []
         if self.trace_path.is_file():
-            old = json.loads(self.trace_path.read_text()).get("traceEvents", [])
+            try:
+                old = json.loads(self.trace_path.read_text()).get("traceEvents", [])
+            except ValueError as e:   # torn by a crash or a full disk: a measurement, not a fact
+                aside = self.trace_path.with_name(f"{self.trace_path.name}.unreadable-{time.time_ns()}")
+                os.replace(self.trace_path, aside)
+                print(f"sealrl: {self.trace_path} cannot be read ({e}); set aside as {aside.name}, a new "
+                      "timeline starts", file=sys.stderr, flush=True)
         tmp = self.trace_path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"traceEvents": old + self._events}))
         os.replace(tmp, self.trace_path)

@@ -13,10 +13,12 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from sealrl import faults
@@ -65,20 +67,15 @@ def save_checkpoint(root: Path, step: int, tensors: dict[str, dict[str, torch.Te
     final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir()
-    for part, flat in tensors.items():
-        save_file({k: v.detach().cpu().clone().contiguous() for k, v in flat.items()}, str(tmp / f"{part}.safetensors"))
-    (tmp / "state.json").write_text(json.dumps(state, sort_keys=True, indent=1))
-    for part, write in (folders or {}).items():
-        write(tmp / part)
-    files = sorted(p for p in tmp.rglob("*") if p.is_file())
-    for p in files:
-        _fsync_file(p)
-    faults.point("checkpoint_before_marker", step)
-    marker = {"step": step, "files": {str(p.relative_to(tmp)): _sha256(p) for p in files}}
-    (tmp / MARKER).write_text(json.dumps(marker, sort_keys=True, indent=1))  # written last
-    _fsync_file(tmp / MARKER)
-    _fsync_dir(tmp)
+    try:
+        _write_parts(tmp, step, tensors, state, folders or {})
+    except (OSError, SafetensorError) as e:   # a full disk: nothing partial beside the intact checkpoints
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = latest_checkpoint(root) if (root / LATEST).is_file() else None
+        intact = f"the previous checkpoint {previous.name} is intact" if previous else "there is no earlier checkpoint"
+        raise CheckpointError(f"cannot write checkpoint {final.name} in {root} ({getattr(e, 'strerror', None) or e}); "
+                              f"nothing of it was kept and {intact}: free space, then resume=auto "
+                              "continues from it") from e
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -92,6 +89,25 @@ def save_checkpoint(root: Path, step: int, tensors: dict[str, dict[str, torch.Te
     return final
 
 
+def _write_parts(tmp: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]], state: dict[str, Any],
+                 folders: dict[str, Callable[[Path], object]]) -> None:
+    """Every part into `tmp`, fsynced, then the marker (written last) and the folder fsynced."""
+    tmp.mkdir()
+    for part, flat in tensors.items():
+        save_file({k: v.detach().cpu().clone().contiguous() for k, v in flat.items()}, str(tmp / f"{part}.safetensors"))
+    (tmp / "state.json").write_text(json.dumps(state, sort_keys=True, indent=1))
+    for part, write in folders.items():
+        write(tmp / part)
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    for p in files:
+        _fsync_file(p)
+    faults.point("checkpoint_before_marker", step)
+    marker = {"step": step, "files": {str(p.relative_to(tmp)): _sha256(p) for p in files}}
+    (tmp / MARKER).write_text(json.dumps(marker, sort_keys=True, indent=1))  # written last
+    _fsync_file(tmp / MARKER)
+    _fsync_dir(tmp)
+
+
 def latest_checkpoint(root: Path) -> Path | None:
     """The folder `latest` points to, or None when no checkpoint was ever committed."""
     pointer = root / LATEST
@@ -101,6 +117,54 @@ def latest_checkpoint(root: Path) -> Path | None:
     if not name.startswith("step_") or "/" in name or ".." in name:
         raise CheckpointError(f"{pointer}: does not name a checkpoint folder ({name!r})")
     return root / name
+
+
+def resume_checkpoint(root: Path) -> Path | None:
+    """The checkpoint a resume loads: the one `latest` names if it verifies, else the newest
+    committed one that does, said on stderr (a corrupted latest checkpoint, or a `latest`
+    pointer lost). None only when no checkpoint folder exists at all; CheckpointError when
+    folders exist and none of them verifies."""
+    steps = sorted((p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()),
+                   key=lambda p: int(p.name[5:]), reverse=True)
+    pointer = root / LATEST
+    named = latest_checkpoint(root) if pointer.is_file() else None
+    if named is None and not steps:
+        return None
+    why, candidates = "", steps
+    if named is not None:
+        try:
+            verify_checkpoint(named)
+            return named
+        except CheckpointError as e:
+            why = str(e)
+        candidates = [p for p in steps if int(p.name[5:]) < int(named.name[5:])]
+    else:
+        why = f"{pointer} is missing"
+    for folder in candidates:
+        try:
+            verify_checkpoint(folder)
+        except CheckpointError:
+            continue
+        print(f"sealrl: {why}; resuming from {folder.name}, the newest intact checkpoint", file=sys.stderr,
+              flush=True)
+        return folder
+    raise CheckpointError(f"{why}; and no earlier checkpoint in {root} is intact")
+
+
+def prune_checkpoints(root: Path, keep: int) -> list[str]:
+    """Delete all but the newest `keep` committed checkpoints (the one `latest` names is always
+    kept); `keep` 0 keeps every one. Returns the names deleted."""
+    if keep <= 0:
+        return []
+    latest = latest_checkpoint(root)
+    steps = sorted((p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit() and (p / MARKER).is_file()),
+                   key=lambda p: int(p.name[5:]), reverse=True)
+    gone = [p for p in steps[keep:] if p != latest]
+    for p in gone:
+        shutil.rmtree(p)
+    if gone:
+        _fsync_dir(root)
+    return [p.name for p in gone]
 
 
 def verify_checkpoint(folder: Path) -> dict:

@@ -32,6 +32,7 @@ from sealrl.trainer.remax import put_baselines
 from sealrl.trainer.retained import recall
 from sealrl.trainer.setup import Run
 from sealrl.trainer.state import Phase, StageFailed, committed_id
+from sealrl.trainer.stopping import graceful_stop
 from sealrl.trainer.update import update
 
 
@@ -63,7 +64,7 @@ def _train(run: Run, schedule: dict[int, int] | None = None) -> dict:
     cfg, roles, data = run.cfg, run.roles, run.data
     resumed = restore_position(run.dir, cfg, roles, run.sampler, run.kl_ctl, data.hash) \
         if cfg.run.resume == "auto" else None
-    if resumed is None and (run.dir / "checkpoints" / "latest").exists():
+    if resumed is None and any((run.dir / "checkpoints").glob("step_*")):
         raise setup.ConfigError(f"run folder {run.dir} already has checkpoints; "
                                 "use run.resume=auto or another run.name")
     start = resumed["iteration"] if resumed else 0
@@ -82,29 +83,32 @@ def _train(run: Run, schedule: dict[int, int] | None = None) -> dict:
     before = resumed["accuracy_before"] if resumed else evaluate(roles.rollout, version, data.eval, **eval_kw)
     wall = resumed["train_wall_s"] if resumed else 0.0
     progress = Progress(cfg.run.iterations, start, enabled=cfg.run.progress)
-    it = start
-    with pipeline(run, start, cfg.run.iterations, version, recalled, schedule) as lanes:
-        it, version, wall = _loop(run, lanes, start, version, before, wall, logger, progress, eval_kw)
+    with graceful_stop() as stop, pipeline(run, start, cfg.run.iterations, version, recalled, schedule) as lanes:
+        done, version, wall = _loop(run, lanes, start, version, before, wall, logger, progress, eval_kw, stop)
     progress.close()
-    forget_sealed_after(run.dir, it + 1)   # a resumed run stopped (run.max_wall_s) before what it had sealed
-    after = evaluate(roles.rollout, version, data.eval, **eval_kw)
-    save_policy(roles.actor.model, roles.tokenizer, run.dir)   # LoRA: merged model/ and adapter/
+    forget_sealed_after(run.dir, done)   # a resumed run stopped (run.max_wall_s) before what it had sealed
+    # A requested stop ends at its checkpoint: no final evaluation, which can take minutes.
+    after = {} if stop.requested else evaluate(roles.rollout, version, data.eval, **eval_kw)
+    if not stop.requested:
+        save_policy(roles.actor.model, roles.tokenizer, run.dir)   # LoRA: merged model/ and adapter/
     summary = {"accuracy_before": before.get("eval/accuracy"), "accuracy_after": after.get("eval/accuracy"),
-               "wall_s": round(wall, 2), "iterations": it + 1, "algorithm": cfg.algorithm.name,
+               "wall_s": round(wall, 2), "iterations": done, "algorithm": cfg.algorithm.name,
                "eval_before": before, "eval_after": after, "policy_version": version.id,
                "weights_hash": version.weights_hash,
                "optimizer_steps": roles.actor.step, "config_hash": cfg.hash(), "run_dir": str(run.dir),
-               "completed": it + 1 == cfg.run.iterations}
+               "completed": done == cfg.run.iterations,
+               "stopped_by": stop.signal.name if stop.requested else None, "exit_status": stop.exit_status}
     (run.dir / "summary.json").write_text(json.dumps(summary, indent=1))
     logger.close()
     return summary
 
 
-def _loop(run: Run, lanes, start: int, version, before: dict, wall: float, logger, progress, eval_kw):
-    """The iterations start .. run.iterations - 1 (or until run.max_wall_s); returns the last
-    iteration, the active version and the training wall time."""
+def _loop(run: Run, lanes, start: int, version, before: dict, wall: float, logger, progress, eval_kw, stop):
+    """The iterations start .. run.iterations - 1 (or until run.max_wall_s, or a stop signal:
+    stopping.py); returns the number of iterations done (the checkpoint's), the active version
+    and the training wall time."""
     cfg, roles, data = run.cfg, run.roles, run.data
-    it = start
+    done = start   # a resumed run that had finished does no iteration
     for it in range(start, cfg.run.iterations):
         t0 = time.perf_counter()
         metrics = run_iteration(run, it, version, lanes)
@@ -122,7 +126,8 @@ def _loop(run: Run, lanes, start: int, version, before: dict, wall: float, logge
                 metrics.update(evaluate(roles.rollout, version, data.eval, **eval_kw))
         logger.log(it, metrics)
         progress.update(it, metrics)
-        last = it + 1 == cfg.run.iterations or (cfg.run.max_wall_s and wall >= cfg.run.max_wall_s)
+        done = it + 1
+        last = done == cfg.run.iterations or (cfg.run.max_wall_s and wall >= cfg.run.max_wall_s) or stop.requested
         if last or (cfg.run.checkpoint_every and (it + 1) % cfg.run.checkpoint_every == 0):
             with run.stage("checkpoint", "driver"):
                 save_position(run.dir, it + 1, cfg, roles, SamplerAt(lanes.sampler_state(it + 1)), run.kl_ctl,
@@ -131,7 +136,7 @@ def _loop(run: Run, lanes, start: int, version, before: dict, wall: float, logge
         run.timer.flush()
         if last:
             break
-    return it, version, wall
+    return done, version, wall
 
 
 class SamplerAt:

@@ -22,10 +22,11 @@ from sealrl.rewards.base import reward_identity
 from sealrl.trainer.adapters import base_hash
 from sealrl.trainer.checkpoint import (
     CheckpointError,
-    latest_checkpoint,
     load_checkpoint,
     optimizer_from_flat,
     optimizer_to_flat,
+    prune_checkpoints,
+    resume_checkpoint,
     rng_from_flat,
     rng_to_flat,
     save_checkpoint,
@@ -34,6 +35,8 @@ from sealrl.trainer.retained import lane_position
 
 # Keys that may change between a run and its resumption: those the config declares resumable.
 RESUMABLE_KEYS = resumable_keys()
+# The run folder's append-only logs: one JSON row per line, each with its iteration.
+LOGS = ("metrics.jsonl", "ledger.jsonl", "served.jsonl", "experience/consumed.jsonl")
 
 
 def save_position(run_dir: Path, iteration: int, cfg: Config, roles, sampler, kl_ctl, data_hash: str,
@@ -67,9 +70,11 @@ def save_position(run_dir: Path, iteration: int, cfg: Config, roles, sampler, kl
     # The policy also as a Hugging Face folder (`checkpoints/step_N/model`), loadable by
     # transformers and vLLM as it is (with LoRA: the peft adapter folder, `adapter`, the base
     # never copied); resuming reads actor_model.safetensors.
+    sync_logs(run_dir)   # every line this checkpoint covers is durable before it commits
     folder = save_checkpoint(run_dir / "checkpoints", iteration, tensors, state,
                              checkpoint_exports(actor.model, roles.tokenizer))
     faults.point("after_checkpoint", iteration)
+    prune_checkpoints(run_dir / "checkpoints", cfg.run.keep_checkpoints)
     return folder
 
 
@@ -77,7 +82,7 @@ def restore_position(run_dir: Path, cfg: Config, roles, sampler, kl_ctl, data_ha
     """Load the latest committed checkpoint into the roles; None when there is none.
     Refuses (CheckpointError with a diff) a checkpoint of another model, tokenizer, dataset or
     an incompatible config."""
-    folder = latest_checkpoint(run_dir / "checkpoints")
+    folder = resume_checkpoint(run_dir / "checkpoints")   # falls back to the newest intact one, said
     if folder is None:
         return None
     parts = ["actor_model", "actor_optim", "rng"] + (["critic_model", "critic_optim"] if roles.critic else [])
@@ -96,7 +101,7 @@ def restore_position(run_dir: Path, cfg: Config, roles, sampler, kl_ctl, data_ha
     sampler.load_state_dict(state["sampler"])
     kl_ctl.load_state_dict(state["kl_controller"])
     rng_from_flat(tensors["rng"])
-    return state
+    return {**state, "folder": str(folder)}
 
 
 def resume_changes(state: dict, cfg: Config, roles, data_hash: str) -> list[str]:
@@ -141,15 +146,51 @@ def forget_after(run_dir: Path, iteration: int) -> None:
     """On resume from the checkpoint at `iteration`: drop the lines later iterations wrote
     before the crash (metrics, ledger, served and consumed lines). They were never committed by a
     checkpoint and the resumed run writes them again. Their sealed experience files stay: the
-    resumed run seals the same facts and does not write them twice (prepare.seal)."""
-    for name in ("metrics.jsonl", "ledger.jsonl", "served.jsonl", "experience/consumed.jsonl"):
+    resumed run seals the same facts and does not write them twice (prepare.seal).
+
+    A torn last line (a crash or a full disk mid-append) is one of those: the lines a checkpoint
+    commits are fsynced before it (sync_logs), so only what came after can be torn. It is
+    dropped and said on stderr; a line that cannot be read anywhere else is damage, refused
+    naming the file and line."""
+    for name in LOGS:
         path = run_dir / name
         if path.is_file():
-            keep = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["iteration"] < iteration]
+            keep = [line for line in _readable_lines(path) if json.loads(line)["iteration"] < iteration]
             tmp = path.with_suffix(".tmp")
             tmp.write_text("".join(line + "\n" for line in keep))
+            _fsync(tmp)
             os.replace(tmp, path)
+
+
+def _readable_lines(path: Path) -> list[str]:
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("iteration"), int):
+                raise ValueError("no iteration number")
+        except ValueError as e:
+            if i == len(lines) - 1:
+                print(f"sealrl: {path}: its last line is torn ({len(line)} characters, written after the "
+                      "last checkpoint); dropped", file=sys.stderr, flush=True)
+                return lines[:-1]
+            raise CheckpointError(f"{path}: line {i + 1} is not a JSON row with an iteration ({e}); "
+                                  "this file was damaged, not torn by a crash: restore it or remove the "
+                                  "line") from None
+    return lines
+
+
+def sync_logs(run_dir: Path) -> None:
+    """Make the append-only logs durable: called before a checkpoint commits, so that the lines
+    it covers can never be lost or torn by a crash after it."""
+    for name in (*LOGS, "trace.json"):
+        if (run_dir / name).is_file():
+            _fsync(run_dir / name)
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
 
 
 def forget_sealed_after(run_dir: Path, iteration: int) -> None:

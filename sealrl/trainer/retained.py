@@ -13,13 +13,15 @@ versions with the same per-request seeds, bitwise as before. Nothing generated i
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from safetensors.torch import load_file
 
 from sealrl.experience.ids import PolicyVersion
 from sealrl.models.lora import adapter_scaling
 from sealrl.sync.adapter import build_adapter_manifest
 from sealrl.sync.manifest import build_manifest
-from sealrl.trainer.checkpoint import CheckpointError, latest_checkpoint
+from sealrl.trainer.checkpoint import CheckpointError
 
 
 def lane_position(retained: dict, actor) -> tuple[dict, dict]:
@@ -42,7 +44,7 @@ def recall(run, resumed: dict) -> dict:
     lane = resumed.get("lane") or {"versions": {}}   # absent in checkpoints written before exact resume
     if not lane["versions"]:
         return {}
-    folder = latest_checkpoint(run.dir / "checkpoints")   # the one restore_position just read
+    folder = Path(resumed["folder"])   # the one restore_position just read
     rollout, out, held = run.roles.rollout, {}, {}
     rollout.retain(run.cfg.rollout.max_staleness + 1)
     for j, text in sorted(lane["versions"].items(), key=lambda kv: int(kv[0])):
