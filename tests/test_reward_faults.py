@@ -181,3 +181,56 @@ def test_stage_watchdog_ends_a_hung_reward_stage_and_its_workers(tmp_path):
     while any(_running(pid) for pid in hung) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_running(pid) for pid in hung)
+
+
+def hangs_in_evaluation(response, ground_truth, sample_id) -> float:
+    """Never returns on a held-out problem (in-process: reward.num_scorers=0, the default)."""
+    if sample_id.startswith("eval/"):
+        time.sleep(600)
+    return float(answer_text(response) == str(ground_truth).strip())
+
+
+def test_a_reward_hanging_in_evaluation_is_ended_by_the_stage_deadline(tmp_path):
+    script = ("import sys; from tests.test_reward_faults import ARGS; "
+              "from sealrl.config import build_config; from sealrl.trainer.driver import train; "
+              "train(build_config(None, ARGS + sys.argv[1:]))")
+    out = subprocess.run([sys.executable, "-c", script, f"run.output_dir={tmp_path}", "run.stage_timeout_s=5",
+                          "reward.fn=tests.test_reward_faults:hangs_in_evaluation"], cwd=Path(__file__).parent.parent,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 4, out.stderr[-1500:]
+    [failure] = [json.loads(x) for x in (tmp_path / "t" / "failures.jsonl").read_text().splitlines()]
+    assert failure["stage"] == "evaluate" and failure["timeout_s"] == 5
+
+
+class ExitsOrForks:
+    """sys.exit() in the scorer, or a fork whose child calls sys.exit() (what a careless user
+    function does); the child writes its pid first so the test can see how it ended."""
+
+    name = "exits"
+    version = "1"
+
+    def __init__(self, pids: Path) -> None:
+        self.pids = pids
+
+    def __call__(self, sample: RewardSample):
+        if sample.response == "exit":
+            sys.exit(3)
+        if os.fork() == 0:
+            self.pids.write_text(str(os.getpid()))
+            sys.exit(5)    # caught by the scorer guard, which must end this copy, not return it
+        return 1.0
+
+
+def test_in_process_exit_and_fork_are_contained(tmp_path):
+    from sealrl.rewards.base import score_raw
+    fn = ExitsOrForks(tmp_path / "child")
+    [exited, forked] = score_raw(fn, [RewardSample(sample_id=f"s{i}", prompt="", response=r, response_ids=(1,),
+                                                   ground_truth=None) for i, r in enumerate(("exit", "fork"))])
+    assert isinstance(exited, str) and "raised SystemExit: 3" in exited      # an error record, not the end
+    assert forked == (1.0, {"exits": 1.0})
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "child").is_file() or not (tmp_path / "child").read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    _, status = os.waitpid(int((tmp_path / "child").read_text()), 0)
+    assert os.waitstatus_to_exitcode(status) == 0   # os._exit(0) at the guard: it never came back as a 2nd trainer

@@ -98,3 +98,25 @@ def test_reply_for_a_request_not_held_is_refused_counted_and_never_joined():
         if s.sample_id != "s3":
             assert by_id[s.sample_id].ok and by_id[s.sample_id].total == _value(s), s.sample_id
     assert "s3" not in scored and len(scored) == len(samples) - 1
+
+
+class Allocates:
+    """Allocates the response's number of MiB (bytearray: touches every page) and prints."""
+
+    name = "allocates"
+    version = "1"
+
+    def __call__(self, sample: RewardSample):
+        print(f"scorer output for {sample.sample_id}")   # goes to stderr, never the driver's stdout
+        return float(len(bytearray(int(sample.response) << 20)) > 0)
+
+
+def test_scorer_memory_limit_makes_a_large_allocation_an_error_and_output_goes_to_stderr(capfd):
+    samples = [RewardSample(sample_id=f"a{i}", prompt="p", response=r, response_ids=(1,), ground_truth=None)
+               for i, r in enumerate(("1", "4096", "1"))]
+    with rewards.RewardPool(Allocates(), num_scorers=1, timeout_s=60, memory_mb=512) as pool:
+        small, big, after = pool.score(samples)
+    assert small.ok and after.ok   # the worker survives its scorer's MemoryError
+    assert big.status == "error" and "MemoryError" in big.message
+    out, err = capfd.readouterr()
+    assert "scorer output for a0" in err and "scorer output" not in out

@@ -314,6 +314,7 @@ class RewardConfig:  # docs/rewards.md; components and route are checked by seal
     route: dict = field(default_factory=dict)  # {data_source: fn}: that source's samples scored by that fn alone
     num_scorers: int = resumable(0)        # scorer processes (0 = in-process, no deadline)
     timeout_s: float = resumable(10.0)     # per-call deadline in worker processes
+    scorer_memory_mb: int = resumable(0)   # address-space limit of each scorer process (0 = none)
     stream: bool = resumable(False)        # score each sample as it finishes, while others generate (num_scorers >= 1)
     format_pattern: str = ""               # fn=format: regex the whole answer must match (1.0, else 0.0)
     model_path: str = ""                   # fn=reward_model: HF sequence classifier folder, num_labels=1
@@ -326,6 +327,7 @@ class RewardConfig:  # docs/rewards.md; components and route are checked by seal
         _check(self.fn in REWARD_BUILTINS or ":" in self.fn, "reward.fn", f"{' | '.join(REWARD_BUILTINS)}, "
                "package.module:function or path/file.py:function", self.fn)
         _check(self.timeout_s > 0, "reward.timeout_s", "> 0", self.timeout_s)
+        _check(self.scorer_memory_mb >= 0, "reward.scorer_memory_mb", ">= 0 (0 = no limit)", self.scorer_memory_mb)
 
 
 @dataclass(kw_only=True, slots=True)

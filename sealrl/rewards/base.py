@@ -24,6 +24,7 @@ import dataclasses
 import json
 import math
 import numbers
+import os
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence, runtime_checkable
@@ -167,10 +168,14 @@ def _raised(error: BaseException) -> str:
 
 def score_raw(fn: RewardFunction, samples: Sequence[RewardSample]) -> list[Outcome]:
     """Call the scorer in this process: one Outcome per sample, in order; never raises for
-    scorer faults (exceptions and invalid returns become error texts naming scorer and sample).
+    scorer faults (exceptions, sys.exit() and invalid returns become error texts naming scorer
+    and sample).
 
     A BatchRewardFunction gets one `score_batch` call: if it raises or returns the wrong number
     of scores, every sample of the batch gets an error (there is no per-sample result).
+
+    A scorer that forks: a copy that comes back here (returns or raises) is not this process and
+    ends at once (os._exit), so it can never go on as a second trainer or scorer.
     """
     name, version = fn.name, fn.version
 
@@ -182,23 +187,32 @@ def score_raw(fn: RewardFunction, samples: Sequence[RewardSample]) -> list[Outco
         return total, components or {name: total}
 
     if isinstance(fn, BatchRewardFunction):
-        try:
-            raws = list(fn.score_batch(list(samples)))
-        except Exception as e:
-            return [_message(name, version, s.sample_id, _raised(e)) for s in samples]
+        raws, error = _contained(lambda: list(fn.score_batch(list(samples))))
+        if error is not None:
+            return [_message(name, version, s.sample_id, _raised(error)) for s in samples]
         if len(raws) != len(samples):
             detail = f"score_batch returned {len(raws)} scores for {len(samples)} samples"
             return [_message(name, version, s.sample_id, detail) for s in samples]
         return [outcome(raw, s.sample_id) for raw, s in zip(raws, samples)]
     outcomes: list[Outcome] = []
     for sample in samples:
-        try:
-            raw = fn(sample)
-        except Exception as e:
-            outcomes.append(_message(name, version, sample.sample_id, _raised(e)))
-        else:
-            outcomes.append(outcome(raw, sample.sample_id))
+        raw, error = _contained(lambda: fn(sample))  # noqa: B023 - called at once
+        outcomes.append(outcome(raw, sample.sample_id) if error is None
+                        else _message(name, version, sample.sample_id, _raised(error)))
     return outcomes
+
+
+def _contained(call) -> tuple[Any, BaseException | None]:
+    """(call(), None), or (None, the Exception or SystemExit it raised); a forked copy of this
+    process that gets back here exits without running anything of its caller."""
+    pid = os.getpid()
+    try:
+        return call(), None
+    except (Exception, SystemExit) as e:
+        return None, e
+    finally:
+        if os.getpid() != pid:
+            os._exit(0)
 
 
 def failure_message(scorer: str, version: str, sample_id: str, detail: str) -> str:

@@ -74,7 +74,9 @@ class RewardPool:
     """Scores RewardSamples with `fn` in `num_scorers` processes (0 = inline), see module doc."""
 
     def __init__(self, fn: RewardFunction, num_scorers: int = 2, timeout_s: float = 5.0,
-                 startup_timeout_s: float = 60.0) -> None:
+                 startup_timeout_s: float = 60.0, memory_mb: int = 0) -> None:
+        """`memory_mb`: each scorer process's address-space limit (RLIMIT_AS; 0 = none): an
+        allocation past it fails inside the scorer, which becomes that sample's error record."""
         if not isinstance(fn, RewardFunction):
             raise TypeError(f"RewardPool: {fn!r} is not a RewardFunction (needs name, version, "
                             "__call__)")
@@ -87,6 +89,7 @@ class RewardPool:
         self.num_scorers = num_scorers
         self.timeout_s = float(timeout_s)
         self.startup_timeout_s = float(startup_timeout_s)
+        self.memory_mb = int(memory_mb)
         self._scorers: list[_Worker] = []
         self._closed = False
         self._streaming = False   # a ScoreStream is open: its requests hold the workers
@@ -285,9 +288,11 @@ class RewardPool:
     def _spawn(self) -> _Worker:
         parent_conn, child_conn = mp.Pipe(duplex=True)  # a socketpair
         fd = child_conn.fileno()
-        # Its own session: a kill takes whatever the scorer forked along with it (_kill).
-        process = subprocess.Popen([sys.executable, "-c", BOOTSTRAP, str(fd), json.dumps(sys.path)],
-                                   pass_fds=(fd,), stdin=subprocess.DEVNULL, start_new_session=True)
+        # Its own session: a kill takes whatever the scorer forked along with it (_kill). What the
+        # scorer prints goes to stderr: the driver's stdout stays its own (a final JSON line).
+        process = subprocess.Popen([sys.executable, "-c", BOOTSTRAP, str(fd), json.dumps(sys.path),
+                                    str(self.memory_mb)], pass_fds=(fd,), stdin=subprocess.DEVNULL,
+                                   stdout=sys.__stderr__.fileno(), start_new_session=True)
         child_conn.close()  # only the child holds its end: its death reads as EOF here
         w = _Worker(process, parent_conn, time.monotonic())
         try:

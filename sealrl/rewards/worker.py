@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import resource
 import signal
 from multiprocessing.connection import Connection
 
@@ -17,10 +18,10 @@ from sealrl.rewards.base import score_raw
 # Run by the pool as `python -c BOOTSTRAP <fd> <json sys.path>`: the parent's import roots first,
 # so the scorer's module (even one found through a test runner's sys.path) unpickles here.
 BOOTSTRAP = ("import json, sys; sys.path[:] = json.loads(sys.argv[2]); "
-             "from sealrl.rewards.worker import main; main(int(sys.argv[1]))")
+             "from sealrl.rewards.worker import main; main(int(sys.argv[1]), int(sys.argv[3]))")
 
 
-def main(fd: int) -> None:
+def main(fd: int, memory_mb: int = 0) -> None:
     """Receive the pickled scorer, run its optional setup(), then answer requests until stopped.
 
     Consumes on the connection `fd`: the scorer's pickle (bytes) once, then (request id,
@@ -35,6 +36,8 @@ def main(fd: int) -> None:
     and waits for later gets exit status 0 if it ended between two requests).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the driver, which closes us
+    if memory_mb > 0:   # reward.scorer_memory_mb: before the scorer loads anything
+        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
     conn = Connection(fd)
     try:
         fn = pickle.loads(conn.recv())

@@ -9,8 +9,8 @@ from sealrl.rollout.engine import RolloutSample
 
 
 class Reward:
-    def __init__(self, fn, num_scorers: int, timeout_s: float):
-        self.pool = RewardPool(fn, num_scorers=num_scorers, timeout_s=timeout_s)
+    def __init__(self, fn, num_scorers: int, timeout_s: float, memory_mb: int = 0):
+        self.pool = RewardPool(fn, num_scorers=num_scorers, timeout_s=timeout_s, memory_mb=memory_mb)
         self.scorer = fn.name
 
     def score(self, items: list[tuple[RolloutSample, str, str, object, str, dict]]) -> list[tuple[str, RewardRecord]]:

@@ -77,10 +77,10 @@ def _train(run: Run, schedule: dict[int, int] | None = None) -> dict:
     eval_kw = dict(reward_fn=setup.build_reward_fn(cfg), tokenizer=roles.tokenizer,
                    max_new_tokens=cfg.rollout.max_new_tokens, num=cfg.eval.num, pass_k=cfg.eval.pass_k,
                    temperature=cfg.eval.temperature, seed=cfg.run.seed, num_scorers=cfg.reward.num_scorers,
-                   timeout_s=cfg.reward.timeout_s)
+                   timeout_s=cfg.reward.timeout_s, memory_mb=cfg.reward.scorer_memory_mb)
     recalled = recall(run, resumed) if resumed else {}   # k >= 1: the versions the lane still samples from
     version = publish(run)
-    before = resumed["accuracy_before"] if resumed else evaluate(roles.rollout, version, data.eval, **eval_kw)
+    before = resumed["accuracy_before"] if resumed else held_out(run, version, eval_kw)
     wall = resumed["train_wall_s"] if resumed else 0.0
     progress = Progress(cfg.run.iterations, start, enabled=cfg.run.progress)
     with graceful_stop() as stop, pipeline(run, start, cfg.run.iterations, version, recalled, schedule) as lanes:
@@ -88,7 +88,7 @@ def _train(run: Run, schedule: dict[int, int] | None = None) -> dict:
     progress.close()
     forget_sealed_after(run.dir, done)   # a resumed run stopped (run.max_wall_s) before what it had sealed
     # A requested stop ends at its checkpoint: no final evaluation, which can take minutes.
-    after = {} if stop.requested else evaluate(roles.rollout, version, data.eval, **eval_kw)
+    after = {} if stop.requested else held_out(run, version, eval_kw)
     if not stop.requested:
         save_policy(roles.actor.model, roles.tokenizer, run.dir)   # LoRA: merged model/ and adapter/
     summary = {"accuracy_before": before.get("eval/accuracy"), "accuracy_after": after.get("eval/accuracy"),
@@ -123,7 +123,7 @@ def _loop(run: Run, lanes, start: int, version, before: dict, wall: float, logge
         metrics["time/train_wall_s"] = wall
         if cfg.run.eval_every and (it + 1) % cfg.run.eval_every == 0 and it + 1 < cfg.run.iterations:
             with lanes.exclusive():
-                metrics.update(evaluate(roles.rollout, version, data.eval, **eval_kw))
+                metrics.update(held_out(run, version, eval_kw))
         logger.log(it, metrics)
         progress.update(it, metrics)
         done = it + 1
@@ -137,6 +137,13 @@ def _loop(run: Run, lanes, start: int, version, before: dict, wall: float, logge
         if last:
             break
     return done, version, wall
+
+
+def held_out(run: Run, version, eval_kw: dict) -> dict:
+    """The held-out evaluation, under the stage deadline like every stage (its reward code too)."""
+    t = run.timer
+    with run.watchdog.guard("evaluate", "rollout", t.worker("rollout"), t.iteration, version.id):
+        return evaluate(run.roles.rollout, version, run.data.eval, **eval_kw)
 
 
 class SamplerAt:

@@ -16,7 +16,8 @@ from sealrl.trainer.ledger import request_seed
 
 def evaluate(rollout: Rollout, version: PolicyVersion, prompts: PromptSet, reward_fn, tokenizer,
              max_new_tokens: int, num: int, pass_k: int = 1, temperature: float = 1.0,
-             seed: int = 0, batch_size: int = 256, num_scorers: int = 0, timeout_s: float = 10.0
+             seed: int = 0, batch_size: int = 256, num_scorers: int = 0, timeout_s: float = 10.0,
+             memory_mb: int = 0
              ) -> dict[str, float]:
     """`num_scorers`, `timeout_s`: as reward.*; a scorer that errs or hangs past the deadline
     leaves its sample unsolved."""
@@ -24,7 +25,7 @@ def evaluate(rollout: Rollout, version: PolicyVersion, prompts: PromptSet, rewar
     if not items:
         return {}
     greedy = SamplingContract(temperature=1.0, top_k=1, max_new_tokens=max_new_tokens, n=1)
-    scorer = RewardPool(reward_fn, num_scorers=num_scorers, timeout_s=timeout_s)
+    scorer = RewardPool(reward_fn, num_scorers=num_scorers, timeout_s=timeout_s, memory_mb=memory_mb)
     correct = _solved(rollout, version, items, greedy, 1, scorer, tokenizer, seed, batch_size)
     out = {"eval/accuracy": sum(any(c) for c in correct) / len(items), "eval/num": float(len(items))}
     if pass_k > 1:

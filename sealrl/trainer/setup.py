@@ -232,7 +232,7 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
         critic = make_critic()
         if cfg.placement.critic_ranks > 1:
             critic = data_parallel_role(cfg, "critic", make_critic, critic, closers)
-    reward = Reward(build_reward_fn(cfg), cfg.reward.num_scorers, cfg.reward.timeout_s)
+    reward = Reward(build_reward_fn(cfg), cfg.reward.num_scorers, cfg.reward.timeout_s, cfg.reward.scorer_memory_mb)
     return Roles(actor, rollout, reward, reference, critic, tokenizer, closers,
                  functools.partial(Rollout, template, tokenizer, episodes=episodes, rows=rows))
 
