@@ -24,6 +24,13 @@ def _train(args) -> int:
     resume = [o for o in overrides if o.startswith("resume=")]
     overrides = [o for o in overrides if not o.startswith("resume=")]
     overrides += [f"run.{o}" for o in resume]   # `resume=auto` is shorthand for run.resume=auto
+    seen: dict[str, str] = {}
+    for item in overrides:   # the last would silently win: a typo'd script says which it meant
+        key = item.partition("=")[0]
+        if key in seen:
+            from sealrl.config import ConfigError
+            raise ConfigError(f"override {key} is given twice ({seen[key]} and {item}); give it once")
+        seen[key] = item
     cfg = load_config(args.config, overrides)   # before heavy imports: a bad key fails fast
     from sealrl.trainer.inputs import check_inputs
     check_inputs(cfg)                            # model folder and data files, before torch

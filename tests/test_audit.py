@@ -3,6 +3,7 @@ both policies, bypass, soft overlong, a resumed run) and fails, naming the check
 corrupted in each way the audit exists to catch. Runs are built once per module (seconds) and
 copied per test."""
 import argparse
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -14,7 +15,6 @@ import pytest
 from sealrl import faults
 from sealrl.audit import CHECK_NAMES, add_parser, audit_run
 from sealrl.config import build_config
-from sealrl.experience.batch import ExperienceBatch
 from sealrl.experience.ids import digest
 from sealrl.experience.store import read_iteration
 from sealrl.rewards.verifiers import answer_text
@@ -145,16 +145,28 @@ def _rewrite(path: Path, edit=None, meta_edit=None) -> None:
     pq.write_table(table.replace_schema_metadata(metadata), path)
 
 
-def _reseal(path: Path) -> None:
+def _reseal(path: Path, chain: bool = True) -> None:
     """Seal an edited iteration file again, as a forger would: its digest recomputed over the
-    edited facts, so only the checks of what the facts say can catch the edit."""
-    real = ExperienceBatch.verify_seal
-    ExperienceBatch.verify_seal = lambda self: None   # read the edited file without its seal check
-    try:
-        forged = read_iteration(path)._digest()
-    finally:
-        ExperienceBatch.verify_seal = real
+    edited facts, so only the checks of what the facts say can catch the edit. `chain`: the
+    forger also rewrites the digest where the run committed it (consumed.jsonl, every
+    checkpoint's state.json and its checksum); without it the chain check catches the forgery."""
+    forged = read_iteration(path, verify=False)._digest()
     _rewrite(path, meta_edit=lambda m: m.update(seal_digest=forged))
+    if not chain:
+        return
+    run, it = path.parent.parent, read_iteration(path).iteration
+    consumed = path.parent / "consumed.jsonl"
+    rows = [json.loads(x) for x in consumed.read_text().splitlines()]
+    consumed.write_text("".join(json.dumps({**r, "seal_digest": forged} if r["iteration"] == it else r) + "\n"
+                                for r in rows))
+    for folder in (run / "checkpoints").glob("step_*"):
+        state = json.loads((folder / "state.json").read_text())
+        if str(it) in state.get("sealed", {}):
+            state["sealed"][str(it)] = forged
+            (folder / "state.json").write_text(json.dumps(state, sort_keys=True, indent=1))
+            marker = json.loads((folder / "COMMITTED").read_text())
+            marker["files"]["state.json"] = hashlib.sha256((folder / "state.json").read_bytes()).hexdigest()
+            (folder / "COMMITTED").write_text(json.dumps(marker, sort_keys=True, indent=1))
 
 
 def _iter(run: Path, i: int) -> Path:
@@ -305,7 +317,7 @@ def test_errored_reward_scored_other_than_the_penalty(run):
     path = next(p for p in sorted((run / "experience").glob("iter_*.parquet"))
                 if "error" in pq.read_table(p).column("reward_status").to_pylist())
     _rewrite(path, edit)
-    assert _failed(run) == ["rewards"]
+    assert _failed(run) == ["rewards", "derived"]   # the score is also not what the sealed facts give
 
 
 def test_ledger_row_missing(run):
@@ -360,7 +372,38 @@ def test_tampered_fact(run):
     _rewrite(_iter(run, 1), edit)
     report = audit_run(run)
     assert report.failed_checks() == ["seal"]
+    sample = pq.read_table(_iter(run, 1)).column("sample_id")[3].as_py()
     assert report.violations[0].iteration == 1 and "changed after sealing" in report.violations[0].message
+    assert f"changed: row 3 (sample {sample}): rollout_log_probs" in report.violations[0].message
+
+
+def test_reordered_rows_are_named(run):
+    _rewrite(_iter(run, 1), lambda c: [c[k].insert(0, c[k].pop(5)) for k in c])
+    report = audit_run(run)
+    assert "seal" in report.failed_checks()
+    assert "row 0 (sample" in report.violations[0].message and "holds what row 5 held" in report.violations[0].message
+
+
+@pytest.mark.parametrize("run", ["ppo"], indirect=True)   # GAE: nonzero advantages in every iteration
+def test_negated_advantages_are_named_by_row_and_field(run):
+    it = next(i for i in range(3) if any(x for row in pq.read_table(_iter(run, i)).column("advantages").to_pylist()
+                                         for x in row))
+    _rewrite(_iter(run, it), lambda c: c.update(advantages=[[-x for x in row] for row in c["advantages"]]))
+    report = audit_run(run)
+    assert report.failed_checks() == ["derived"], report.summary()
+    v = report.violations[0]
+    assert v.iteration == it and "advantages[0] is" in v.message and "the sealed facts give" in v.message
+
+
+def test_a_file_sealed_again_breaks_the_chain(run):
+    _rewrite(_iter(run, 1), lambda c: c.update(reward_total=[None if t is None else 1.0 - t
+                                                              for t in c["reward_total"]]))
+    _reseal(_iter(run, 1), chain=False)   # sealrl's own digest code, over the edited facts
+    report = audit_run(run)
+    assert "chain" in report.failed_checks(), report.summary()
+    messages = [v.message for v in report.violations if v.check == "chain"]
+    assert any("consumed.jsonl committed seal digest" in m for m in messages)
+    assert any("checkpoint step_3 committed seal digest" in m for m in messages)
 
 
 def test_unreadable_file_is_a_violation_not_a_crash(run):
@@ -387,7 +430,7 @@ def _cli(*argv) -> int:
 def test_cli_exit_status_and_summary(run, capsys):
     assert _cli("audit", str(run)) == 0
     out = capsys.readouterr().out
-    assert "3 iterations, 48 samples, 12 groups, 12 ledger rows" in out and "all 10 checks passed" in out
+    assert "3 iterations, 48 samples, 12 groups, 12 ledger rows" in out and "all 12 checks passed" in out
     _write_ledger(run, _ledger(run)[1:])
     assert _cli("audit", str(run)) == 1
     out = capsys.readouterr().out

@@ -25,7 +25,8 @@ def _cli(tmp_path: Path, out: str, *extra: str, faults_plan: str = "", monkeypat
     empty.write_text("{}\n")
     monkeypatch.setenv("SEALRL_FAULTS", faults_plan)
     faults._fired.clear()
-    status = main(["train", str(empty), *BASE, "run.checkpoint_every=1", f"run.output_dir={tmp_path / out}",
+    base = [o for o in BASE if not o.startswith("run.checkpoint_every=")]
+    status = main(["train", str(empty), *base, "run.checkpoint_every=1", f"run.output_dir={tmp_path / out}",
                    "run.name=r", *extra])
     summary = tmp_path / out / "r" / "summary.json"
     return status, (json.loads(summary.read_text()) if summary.is_file() else {})
@@ -134,3 +135,25 @@ def test_no_intact_checkpoint_is_one_error(tmp_path):
     (tmp_path / "step_1" / "state.json").write_text("{}")
     with pytest.raises(CheckpointError, match="no earlier checkpoint .* is intact"):
         resume_checkpoint(tmp_path)
+
+
+def always_raises(response, ground_truth) -> float:
+    raise RuntimeError("the reward service is down: connection refused on port 8080 " + "x" * 80)
+
+
+def test_an_iteration_whose_groups_all_dropped_is_in_the_ledger_with_whole_reasons(tmp_path, monkeypatch, capsys):
+    status, _ = _cli(tmp_path, "e", "reward.fn=tests.test_stopping:always_raises", "algorithm.reward_error=drop_group",
+                     monkeypatch=monkeypatch)
+    assert status == 2 and "every group was dropped" in capsys.readouterr().err
+    rows = [json.loads(x) for x in (tmp_path / "e" / "r" / "ledger.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(r["status"] == "dropped" and r["iteration"] == 0 for r in rows)
+    assert all("connection refused on port 8080" in r["reason"] for r in rows)   # not cut at 120 characters
+
+
+def test_command_line_mistakes_are_one_line(tmp_path, monkeypatch, capsys):
+    status, _ = _cli(tmp_path, "f", "algorithm.kl_coef=0.1", "algorithm.kl_coef=0.2", monkeypatch=monkeypatch)
+    assert status == 2
+    assert "override algorithm.kl_coef is given twice (algorithm.kl_coef=0.1 and algorithm.kl_coef=0.2)" in \
+        capsys.readouterr().err
+    status, _ = _cli(tmp_path, "f", "model.path=", monkeypatch=monkeypatch)
+    assert status == 2 and "model.path is empty" in capsys.readouterr().err

@@ -18,6 +18,10 @@ for every trained sample (DESIGN sections 3-4), from the files alone, with no mo
                      reason, never both; no prompt twice in an epoch
     episodes         multi-turn: trained ids == sampled turns + observations; no observation
                      token trained (mask, advantages); per-turn versions, step rewards
+    derived          scores, token rewards, advantages and returns equal what the sealed facts
+                     give under the run's config (derived again by the driver's own function)
+    chain            each file's seal digest is the one consumed.jsonl and every committed
+                     checkpoint recorded when the batch was trained (a file sealed again fails)
 
     .venv/bin/sealrl audit runs/arith_grpo          # exit status 1 on any violation
 
@@ -33,7 +37,7 @@ from sealrl.audit.report import AuditReport, Violation
 __all__ = ["AuditReport", "Violation", "audit_run", "add_parser", "CHECK_NAMES"]
 
 CHECK_NAMES = ("config", "seal", "used_once", "groups_complete", "policy_version", "masks",
-               "provenance", "rewards", "ledger", "episodes")
+               "provenance", "rewards", "ledger", "episodes", "derived", "chain")
 
 
 def audit_run(run_dir: str | Path, checks: tuple[str, ...] = CHECK_NAMES) -> AuditReport:

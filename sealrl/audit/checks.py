@@ -15,6 +15,7 @@ import math
 from collections import defaultdict
 from typing import Callable, Iterator
 
+from sealrl.audit.derived import check_chain, check_derived
 from sealrl.audit.episodes import check_episodes
 from sealrl.audit.folder import IterationFile, RunFolder
 from sealrl.audit.ledger import SCORE_TOL, check_ledger
@@ -23,7 +24,7 @@ from sealrl.audit.staleness import actor_step_before, committed_chain, row_oldes
 from sealrl.config import ConfigError
 from sealrl.experience.fields import FIELDS, Align
 from sealrl.experience.ids import PolicyVersion, group_id, split_sample_id
-from sealrl.experience.store import read_iteration
+from sealrl.experience.store import changed_cells, read_iteration
 from sealrl.rewards.from_config import components
 
 Check = Callable[[RunFolder], Iterator[Violation]]
@@ -63,7 +64,12 @@ def check_seal(run: RunFolder) -> Iterator[Violation]:
         try:
             read_iteration(f.path)
         except Exception as e:  # any failure to rebuild the sealed batch is a finding
-            yield v(f"facts do not rebuild the sealed batch: {type(e).__name__}: {e}")
+            try:
+                cells = changed_cells(f.path)
+            except Exception:  # noqa: BLE001 - too damaged to name cells: the digest finding stands
+                cells = []
+            named = f"; changed: {'; '.join(cells)}" if cells else ""
+            yield v(f"facts do not rebuild the sealed batch: {type(e).__name__}: {e}{named}")
 
 
 def check_used_once(run: RunFolder) -> Iterator[Violation]:
@@ -394,4 +400,6 @@ CHECKS: dict[str, Check] = {
     "rewards": check_rewards,
     "ledger": check_ledger,
     "episodes": check_episodes,
+    "derived": check_derived,
+    "chain": check_chain,
 }

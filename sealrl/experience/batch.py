@@ -164,6 +164,24 @@ class ExperienceBatch:
                 h.update(repr([_record_key(v) for v in item.value]).encode())
         return h.hexdigest()
 
+    def row_digests(self) -> dict[str, list[str]]:
+        """Per row, a short digest of its sample identity ("sample") and of each fact: stored
+        beside the seal so that an audit of a changed file can name the row and the field (the
+        seal digest itself covers all of it at once)."""
+        def short(data: bytes) -> str:
+            return hashlib.sha256(data).hexdigest()[:16]
+        out = {"sample": [short(repr(s).encode()) for s in self.samples]}
+        for name in sorted(self._fields):
+            item = self._fields[name]
+            if FIELDS[name].kind is not Kind.FACT:
+                continue
+            if isinstance(item.value, torch.Tensor):
+                rows = item.value.detach().cpu().contiguous().numpy()
+                out[name] = [short(row.tobytes()) for row in rows]
+            else:
+                out[name] = [short(repr(_record_key(v)).encode()) for v in item.value]
+        return out
+
     # ---- views -------------------------------------------------------------------------
     def select(self, indices: Sequence[int]) -> "ExperienceBatch":
         """A sub-batch (micro-batch, data-parallel shard) that keeps every field's provenance.

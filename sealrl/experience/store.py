@@ -80,6 +80,7 @@ def to_table(batch: ExperienceBatch, extra: dict[str, list] | None = None) -> pa
         "versions": {k: v.to_json() for k, v in batch.versions.items()},
         "fields": {n: {"producer": batch.provenance(n)[0].value, "version": batch.provenance(n)[1]}
                    for n in batch.field_names()},
+        **({"row_digests": batch.row_digests()} if batch.sealed else {}),
     }
     table = pa.table(cols)
     return table.replace_schema_metadata({_META_KEY: json.dumps(meta).encode()})
@@ -113,11 +114,12 @@ CONSUMED = "consumed.jsonl"
 
 
 def append_consumed(folder: str | os.PathLike, iteration: int, consumed_step: int, sampled_by: str,
-                    committed: str) -> None:
+                    committed: str, seal_digest: str = "") -> None:
     """Record that the optimizer, at step `consumed_step` (the committed version `committed`),
-    has consumed iteration `iteration`'s sealed batch, which `sampled_by` generated."""
+    has consumed iteration `iteration`'s sealed batch (`seal_digest`), which `sampled_by`
+    generated. The digest is committed again by the next checkpoint (the audit's chain check)."""
     line = json.dumps({"iteration": iteration, "consumed_step": consumed_step, "sampled_by": sampled_by,
-                       "committed": committed})
+                       "committed": committed, "seal_digest": seal_digest})
     with open(Path(folder) / CONSUMED, "a") as f:
         f.write(line + "\n")
         f.flush()
@@ -151,8 +153,9 @@ def read_table(path: str | os.PathLike) -> tuple[pa.Table, dict]:
     return table, json.loads(raw)
 
 
-def read_iteration(path: str | os.PathLike) -> ExperienceBatch:
-    """Rebuild the sealed batch; raises if the rebuilt facts do not match the stored digest."""
+def read_iteration(path: str | os.PathLike, verify: bool = True) -> ExperienceBatch:
+    """Rebuild the sealed batch; raises if the rebuilt facts do not match the stored digest
+    (`verify=False`: not checked, for an audit naming what changed: changed_cells)."""
     table, meta = read_table(path)
     c = table.to_pydict()
     versions = [PolicyVersion.from_json(v) for v in meta["versions"].values()]
@@ -183,6 +186,29 @@ def read_iteration(path: str | os.PathLike) -> ExperienceBatch:
         batch._fields[name] = Versioned(value, Role(prov["producer"]), prov["version"])
     if meta["seal_digest"] is not None:
         batch._seal_digest = meta["seal_digest"]
-        batch.verify_seal()
+        if verify:
+            batch.verify_seal()
     return batch
+
+
+def changed_cells(path: str | os.PathLike, limit: int = 5) -> list[str]:
+    """Which rows and fields of a file no longer match the per-row digests stored with its seal:
+    "row 3 (sample r/1/p2/1): response_ids", rows moved ("row 0 holds what row 5 held"), rows
+    added or removed. Empty when the file stores no row digests (written before they existed)."""
+    _, meta = read_table(path)
+    stored = meta.get("row_digests")
+    if not stored:
+        return []
+    now = read_iteration(path, verify=False).row_digests()
+    ids = [s.sample_id for s in read_iteration(path, verify=False).samples]
+    if len(now["sample"]) != len(stored["sample"]):
+        return [f"{len(now['sample'])} rows where {len(stored['sample'])} were sealed"]
+    where = {d: i for i, d in enumerate(stored["sample"])}
+    moved = [f"row {i} (sample {ids[i]}) holds what row {where[d]} held"
+             for i, d in enumerate(now["sample"]) if where.get(d, i) != i]
+    if moved:
+        return moved[:limit] + ([f"... {len(moved) - limit} more rows moved"] if len(moved) > limit else [])
+    cells = [f"row {i} (sample {ids[i]}): {name}" for name in sorted(set(stored) | set(now))
+             for i in range(len(ids)) if stored.get(name, [None] * len(ids))[i] != now.get(name, [None] * len(ids))[i]]
+    return cells[:limit] + ([f"... {len(cells) - limit} more cells"] if len(cells) > limit else [])
 

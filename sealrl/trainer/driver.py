@@ -26,7 +26,7 @@ from sealrl.trainer.iteration_metrics import share_metrics
 from sealrl.trainer.memory import hold_freed_memory
 from sealrl.trainer.pipeline import admit, pipeline, staleness_metrics
 from sealrl.trainer.position import forget_after, forget_sealed_after, restore_position, save_position
-from sealrl.trainer.prepare import advantages, build_batch, prepare, seal
+from sealrl.trainer.prepare import advantages, append_lines, build_batch, prepare, seal
 from sealrl.trainer.record import record
 from sealrl.trainer.remax import put_baselines
 from sealrl.trainer.retained import recall
@@ -184,7 +184,8 @@ def run_iteration(run: Run, it: int, version, lanes) -> dict:
     p = lanes.get(it)
     ages = admit(p, lanes.chain, version.id, lanes.bound)
     metrics = p.metrics
-    if not p.kept:
+    if not p.kept:   # the ledger says why each group went, then the run stops naming it
+        append_lines(run.dir / "ledger.jsonl", p.ledger.rows())
         raise StageFailed(f"iteration {it}: every group was dropped ({p.ledger.rows()[0]['reason']})")
     batch = build_batch(run, it, p.kept, p.records, p.prompt_of, p.texts, p.version)
     if p.baselines is not None:   # ReMax: the greedy baseline of each group, a sealed fact

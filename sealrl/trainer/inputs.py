@@ -15,6 +15,8 @@ config file's folder.
 from __future__ import annotations
 
 import json
+import sys
+from collections import Counter
 from pathlib import Path
 from typing import Iterable
 
@@ -27,6 +29,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def check_model_folder(path: str, key: str = "model.path") -> None:
+    if not str(path).strip():
+        raise ConfigError(f"{key} is empty: give a Hugging Face model folder (or leave the key out for the "
+                          "embedded model)", key)
     folder = Path(path)
     if not folder.exists():
         raise ConfigError(f"{key}: {folder} does not exist{relative_note(folder)}", key)
@@ -83,6 +88,10 @@ def write_dropped_rows(run_dir: str | Path, prompt_sets: Iterable[PromptSet]) ->
     if not rows:
         return 0
     path = Path(run_dir) / "dropped_rows.jsonl"
+    reasons = Counter(r["reason"] for r in rows)
+    print(f"sealrl: data.on_bad_row=drop skipped {len(rows)} rows ("
+          f"{', '.join(f'{n} {reason}' for reason, n in reasons.most_common())}); each is listed in {path}",
+          file=sys.stderr, flush=True)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8", newline="\n") as f:
         for r in rows:

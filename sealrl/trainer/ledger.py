@@ -124,7 +124,7 @@ class IterationLedger:
             errors = [records[s.sample_id] for s in samples if not records[s.sample_id].ok]
             if errors and policy != "penalty":
                 first = errors[0]
-                self.drop(g, f"reward {first.status.value} on {len(errors)} sample(s): {first.message[:120]}")
+                self.drop(g, f"reward {first.status.value} on {len(errors)} sample(s): {first.message}")
                 continue
             self.groups[g].penalised = len(errors)
             kept[g] = samples

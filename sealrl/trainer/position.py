@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from sealrl import faults
 from sealrl.config import Config, config_diff, resumable_keys
-from sealrl.experience.store import read_iteration
+from sealrl.experience.store import read_consumed, read_iteration
 from sealrl.models.hf import model_config_hash, tokenizer_hash
 from sealrl.models.lora import checkpoint_exports, load_trainable_state, trainable_state
 from sealrl.rewards.base import reward_identity
@@ -58,6 +58,7 @@ def save_position(run_dir: Path, iteration: int, cfg: Config, roles, sampler, kl
         "reward_fn": reward_identity(roles.reward.pool.fn),
         **_base_hashes(roles),
         "experience": "none pending: checkpoint taken after the iteration's batch was consumed",
+        "sealed": _consumed_digests(run_dir, iteration),
         **({"lane": lane} if lane["versions"] else {}),
         **extra,
     }
@@ -76,6 +77,14 @@ def save_position(run_dir: Path, iteration: int, cfg: Config, roles, sampler, kl
     faults.point("after_checkpoint", iteration)
     prune_checkpoints(run_dir / "checkpoints", cfg.run.keep_checkpoints)
     return folder
+
+
+def _consumed_digests(run_dir: Path, iteration: int) -> dict[str, str]:
+    """Iteration -> seal digest of every batch consumed before `iteration` (the chain a
+    checkpoint commits: a file sealed again afterwards no longer matches it)."""
+    lines, _ = read_consumed(run_dir / "experience")
+    return {str(it): rows[-1]["seal_digest"] for it, rows in sorted(lines.items())
+            if it < iteration and rows[-1].get("seal_digest")}
 
 
 def restore_position(run_dir: Path, cfg: Config, roles, sampler, kl_ctl, data_hash: str) -> dict | None:

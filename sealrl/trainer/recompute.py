@@ -63,19 +63,8 @@ def recompute_run(run_dir: str | Path, overrides: list[str], out_name: str | Non
         raise ConfigError(f"--name must be a plain folder name, got {tag!r}")
     out = run_dir / "recompute" / tag
     logged_beta = _logged_betas(run_dir)
-    kl_ctl = _kl_controller(new_cfg)
     per_iter = []
-    for expected, path in enumerate(files):
-        original = read_iteration(path)
-        if original.iteration != expected:  # the adaptive beta is a running product: no gaps
-            raise MissingInputError(f"{run_dir / 'experience'}: iteration {expected} is missing (found {path.name})")
-        _check_facts(original, new_cfg)
-        batch = facts_only(original)
-        beta = kl_ctl.beta
-        derive(batch, new_cfg.algorithm, beta, new_cfg.rollout.max_new_tokens,
-               f"{new_cfg.algorithm.name}@{original.iteration}")
-        if new_cfg.algorithm.kl_target > 0:
-            kl_ctl.update(ref_kl(batch), len(batch))
+    for path, original, batch, beta in rederived(files, new_cfg):
         table, _ = read_table(path)
         extra = {n[len("extra."):]: table.column(n).to_pylist() for n in table.column_names
                  if n.startswith("extra.")}
@@ -92,6 +81,23 @@ def recompute_run(run_dir: str | Path, overrides: list[str], out_name: str | Non
                "num_iterations": len(files), "max_abs_diff": _max_over(per_iter), "iterations": per_iter}
     (out / "recompute.json").write_text(json.dumps(summary, indent=1))
     return out
+
+
+def rederived(files: list[Path], cfg: Config):
+    """(path, stored batch, its facts re-derived under `cfg`, beta) per iteration file, in
+    order; the files must be iterations 0, 1, ... (the adaptive beta is a running product)."""
+    kl_ctl = _kl_controller(cfg)
+    for expected, path in enumerate(files):
+        original = read_iteration(path)
+        if original.iteration != expected:
+            raise MissingInputError(f"{path.parent}: iteration {expected} is missing (found {path.name})")
+        _check_facts(original, cfg)
+        batch = facts_only(original)
+        beta = kl_ctl.beta
+        derive(batch, cfg.algorithm, beta, cfg.rollout.max_new_tokens, f"{cfg.algorithm.name}@{original.iteration}")
+        if cfg.algorithm.kl_target > 0:
+            kl_ctl.update(ref_kl(batch), len(batch))
+        yield path, original, batch, beta
 
 
 def facts_only(batch: ExperienceBatch) -> ExperienceBatch:

@@ -13,7 +13,7 @@ from sealrl.trainer.ledger import IterationLedger
 def record(run, it: int, batch: ExperienceBatch, ledger: IterationLedger, version, committed: str) -> dict:
     """Record the consumption of iteration `it`'s batch; return its record metrics."""
     cfg, roles = run.cfg, run.roles
-    append_consumed(run.dir / "experience", it, roles.actor.step, version.id, committed)
+    append_consumed(run.dir / "experience", it, roles.actor.step, version.id, committed, batch.seal_digest)
     metrics = batch_metrics(batch, loss_mask(batch, cfg.algorithm)[1], roles.actor.step, version.step)
     metrics.update(version_metrics(ledger.rows(), cfg.rollout.n, batch.group_ids, version.step))
     recomputed = ("old_log_prob",) if cfg.algorithm.old_log_prob == "recompute" else ()

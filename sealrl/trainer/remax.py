@@ -65,7 +65,7 @@ def greedy_baselines(run, it: int, version, ledger: IterationLedger, kept: dict[
         if g not in greedy:
             ledger.drop(g, f"remax: no greedy response after {run.cfg.rollout.max_retries} retries")
         elif record is None or not record.ok:
-            why = "no record" if record is None else f"{record.status.value}: {record.message[:120]}"
+            why = "no record" if record is None else f"{record.status.value}: {record.message}"
             ledger.drop(g, f"remax: the greedy response's reward failed ({why})")
         else:
             out[g], baselines[g] = samples, float(record.total)

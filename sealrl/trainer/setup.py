@@ -59,7 +59,9 @@ def lock_run_dir(run_dir: Path):
     except BlockingIOError:
         handle.seek(0)
         raise ConfigError(f"run folder {run_dir} is in use by another process "
-                          f"(pid {handle.read().strip() or '?'}); choose another run.name") from None
+                          f"(pid {handle.read().strip() or '?'}): wait for it to end (or stop it: SIGTERM "
+                          "commits a checkpoint), then resume=auto continues this run; or choose another "
+                          "run.name for a new one") from None
     handle.seek(0)
     handle.truncate()
     handle.write(str(os.getpid()))
