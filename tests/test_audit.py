@@ -30,7 +30,8 @@ FLAKY = ["reward.fn=tests.test_audit:flaky_arith"]   # a user reward function, f
 RUNS = {
     "grpo_kl": ["algorithm.kl_coef=0.05"],
     "ppo": ["algorithm.name=ppo", "algorithm.kl_coef=0.05", "algorithm.kl_in=reward",
-            "actor.ppo_epochs=2", "actor.mini_batch_size=8"],
+            "actor.ppo_epochs=2", "actor.mini_batch_size=8", "critic.ppo_epochs=1", "critic.mini_batch_size=4",
+            "critic.micro_batch_size=3"],   # the critic's own batches
     # errored rewards kept with the explicit penalty, soft overlong, old = rollout (bypass)
     "penalty": [*FLAKY, "algorithm.reward_error=penalty", "algorithm.reward_error_penalty=-0.5",
                 "algorithm.overlong=soft", "algorithm.overlong_buffer=2", "rollout.max_new_tokens=4",

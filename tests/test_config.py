@@ -81,3 +81,15 @@ def test_correction_in_bypass_mode_is_refused_naming_both_keys(correction):
 def test_adaptive_kl_settings_are_checked_at_load(overrides, message):
     with pytest.raises(ConfigError, match=message):
         build_config(None, overrides)
+
+
+def test_critic_minibatch_must_divide_the_batch_and_the_optimal_token_baseline_needs_no_env():
+    from sealrl.config import ConfigError, check_config
+    ok = build_config(None, ["algorithm.name=ppo", "critic.mini_batch_size=16", "data.prompts_per_iter=8",
+                             "rollout.n=4"])
+    check_config(ok)
+    with pytest.raises(ConfigError, match="critic.mini_batch_size=12 must divide the batch"):
+        check_config(build_config(None, ["algorithm.name=ppo", "critic.mini_batch_size=12",
+                                         "data.prompts_per_iter=8", "rollout.n=4"]))
+    with pytest.raises(ConfigError, match="optimal_token_baseline with a multi-turn environment"):
+        check_config(build_config(None, ["algorithm.name=optimal_token_baseline", "env.name=calc"]))

@@ -167,3 +167,33 @@ def test_critic_values_and_update_are_invariant_to_the_partition():
     assert m1["critic/value_loss"] == pytest.approx(m0["critic/value_loss"], rel=1e-5, abs=1e-7)
     for a, b in zip(g0, g1):
         assert (a - b).abs().max() <= 1e-6 * max(1.0, float(a.abs().max()))
+
+
+def test_critic_minibatch_epochs_are_invariant_to_the_micro_batch_split():
+    """critic.ppo_epochs / mini_batch_size / micro_batch_size of its own: 2 epochs of minibatches
+    of 4 take 4 optimizer steps, and the weights after them do not depend on the micro-batch size.
+    Adam's eps is raised to 1e-3 so that a gradient element of rounding size (the micro-batch split
+    reorders fp32 sums) moves its weight by at most lr * gap / eps ~ 1e-8, far below the bound."""
+    cfg = build_config(None, ["algorithm.name=ppo", "critic.adam_eps=1e-3", "critic.lr=1e-3"])
+    weights, losses = [], []
+    for micro in (1, 3, 8):
+        torch.manual_seed(0)
+        critic = Critic(CriticModel.from_causal_lm(make_model()), cfg.critic, 0, micro, "token-mean", HORIZON,
+                        tf=TeacherForcing(micro_batch_size=micro), epochs=2, mini_batch_size=4)
+        batch = make_batch()
+        critic.compute(batch)
+        batch.put("returns", batch.get("advantages") + batch.get("values"), "driver", "test")
+        losses.append(critic.update(batch, seed=5)["critic/value_loss"])
+        assert critic.step == 4
+        weights.append([p.detach().clone() for p in critic.model.parameters()])
+    for other, loss in zip(weights[1:], losses[1:]):
+        assert loss == pytest.approx(losses[0], rel=1e-5)
+        for a, b in zip(weights[0], other):
+            assert (a - b).abs().max() <= 1e-6
+    torch.manual_seed(0)   # and the minibatches are real: one full-batch step gives other weights
+    one = Critic(CriticModel.from_causal_lm(make_model()), cfg.critic, 0, 8, "token-mean", HORIZON)
+    batch = make_batch()
+    one.compute(batch)
+    batch.put("returns", batch.get("advantages") + batch.get("values"), "driver", "test")
+    one.update(batch, seed=5)
+    assert one.step == 1 and max(float((a - p).abs().max()) for a, p in zip(weights[0], one.model.parameters())) > 1e-4

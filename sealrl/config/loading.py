@@ -110,11 +110,15 @@ def check_config(cfg: Config) -> None:
     """Rules across sections, checked for a whole run (load_config, trainer.inputs.check_inputs)
     rather than at construction: unit tests build configs for one role without a consistent run."""
     batch = cfg.data.prompts_per_iter * cfg.rollout.n
-    mini = cfg.actor.mini_batch_size
-    if mini and batch % mini:
-        raise ConfigError(f"actor.mini_batch_size={mini} must divide the batch data.prompts_per_iter * "
-                          f"rollout.n = {cfg.data.prompts_per_iter} * {cfg.rollout.n} = {batch}",
-                          "actor.mini_batch_size")
+    for key, mini in (("actor.mini_batch_size", cfg.actor.mini_batch_size),
+                      ("critic.mini_batch_size", max(0, cfg.critic.mini_batch_size))):
+        if mini and batch % mini:
+            raise ConfigError(f"{key}={mini} must divide the batch data.prompts_per_iter * "
+                              f"rollout.n = {cfg.data.prompts_per_iter} * {cfg.rollout.n} = {batch}", key)
+    if cfg.algorithm.name == "optimal_token_baseline" and cfg.env.name != "none":
+        raise ConfigError("algorithm.name=optimal_token_baseline with a multi-turn environment (env.name) is not "
+                          "built: its per-token baseline aligns rows by index, and observation tokens leave holes "
+                          "in the policy mask (docs/from-verl.md)", "algorithm.name")
     if (cfg.algorithm.name == "grpo_passk" or cfg.algorithm.dynamic_sampling) and cfg.rollout.n < 2:
         raise ConfigError(f"algorithm.name=grpo_passk and algorithm.dynamic_sampling need rollout.n >= 2 "
                           f"(a group of one has no runner-up and no variance), got {cfg.rollout.n}", "rollout.n")

@@ -284,6 +284,9 @@ class CriticConfig:
     fused_adamw: bool = False              # torch's fused AdamW kernel (faster; not bitwise the default loop)
     value_clip: float = 0.0                # value-loss clip (0 = off)
     grad_clip: float = 1.0                 # critic max grad norm (0 = off)
+    ppo_epochs: int = 0                    # passes over the iteration's experience (0 = actor.ppo_epochs)
+    mini_batch_size: int = -1              # samples per optimizer step (0 = whole batch; -1 = actor.mini_batch_size)
+    micro_batch_size: int = 0              # samples per forward/backward (0 = actor.micro_batch_size)
     warmup_steps: int = 0                  # critic linear warm-up
     lora: LoraConfig = field(default_factory=LoraConfig)  # critic.lora.rank > 0: adapter + value head trained
     gradient_checkpointing: bool = False   # recompute backbone activations in the backward
@@ -292,6 +295,11 @@ class CriticConfig:
 
     def __post_init__(self):
         _check(self.lr > 0, "critic.lr", "> 0", self.lr)
+        _check(self.ppo_epochs >= 0, "critic.ppo_epochs", ">= 0 (0 = actor.ppo_epochs)", self.ppo_epochs)
+        _check(self.mini_batch_size >= -1, "critic.mini_batch_size", ">= -1 (-1 = actor.mini_batch_size)",
+               self.mini_batch_size)
+        _check(self.micro_batch_size >= 0, "critic.micro_batch_size", ">= 0 (0 = actor.micro_batch_size)",
+               self.micro_batch_size)
         _check(self.dtype in ("fp32", "bf16"), "critic.dtype", "fp32 | bf16", self.dtype)
         _check(self.device in DEVICES, "critic.device", " | ".join(DEVICES), self.device)
 

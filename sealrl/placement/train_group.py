@@ -169,8 +169,8 @@ class CriticRank(TrainRank):
             return [], torch.zeros(0, batch.num_response_tokens), torch.zeros(0)
         return shard.sample_ids, shard.get("values"), shard.get("last_values")
 
-    def update(self, batch: ExperienceBatch):
-        return self.worker.update(batch), {"step": self.worker.step, "skipped_steps": self.worker.skipped_steps}
+    def update(self, batch: ExperienceBatch, seed: int = 0):
+        return self.worker.update(batch, seed), {"step": self.worker.step, "skipped_steps": self.worker.skipped_steps}
 
 
 # ---- on the driver -------------------------------------------------------------------------
@@ -348,8 +348,8 @@ class CriticGroup(_RoleGroup):
         batch.put("last_values", join_rows(batch, [(ids, last) for ids, _, last in parts]), Role.CRITIC,
                   self.version)
 
-    def update(self, batch: ExperienceBatch) -> dict[str, float]:
-        return self._update("critic", self.replicas.share(batch))
+    def update(self, batch: ExperienceBatch, seed: int = 0) -> dict[str, float]:
+        return self._update("critic", self.replicas.share(batch), seed)
 
 
 # ---- building on Ray -----------------------------------------------------------------------

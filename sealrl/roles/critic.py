@@ -22,10 +22,14 @@ if TYPE_CHECKING:
 
 class Critic:
     def __init__(self, model: CriticModel, cfg: CriticConfig, pad_id: int, micro_batch_size: int,
-                 loss_agg: str, horizon: int, tf: TeacherForcing | None = None):
+                 loss_agg: str, horizon: int, tf: TeacherForcing | None = None, epochs: int = 1,
+                 mini_batch_size: int = 0):
+        """`micro_batch_size`, `epochs`, `mini_batch_size`: the critic's own (critic.* keys, the
+        actor's where unset: trainer/setup.py); mini_batch_size 0 is the whole batch."""
         self.device = precision.resolve_device(cfg.device, "critic.device")
         self.model, self.cfg, self.pad_id = model.to(self.device), cfg, pad_id   # in place: moved, not copied
         self.micro, self.loss_agg, self.horizon = micro_batch_size, loss_agg, horizon
+        self.epochs, self.mini = epochs, mini_batch_size
         self.tf = tf or TeacherForcing(micro_batch_size=micro_batch_size)  # micro-batches, packing
         common.set_gradient_checkpointing(model.backbone, cfg.gradient_checkpointing)
         self.optimizer = self.make_optimizer()
@@ -79,15 +83,33 @@ class Critic:
         """Restoring a checkpoint (position.py): step and the other counters."""
         vars(self).update(counters)
 
-    def update(self, batch: ExperienceBatch) -> dict[str, float]:
-        """One pass of value-loss steps over the whole batch (global normaliser)."""
+    def update(self, batch: ExperienceBatch, seed: int = 0) -> dict[str, float]:
+        """Value-loss optimizer steps: `epochs` passes over the batch in minibatches of
+        `mini_batch_size` samples (shuffled by `seed` unless one step covers the batch), each
+        normalised over its own minibatch, as the actor's are."""
+        b, mini = len(batch), self.mini or len(batch)
+        gen = torch.Generator().manual_seed(seed + 1)   # not the actor's order
+        steps: list[dict[str, float]] = []
+        self.model.train()
+        try:
+            for _ in range(self.epochs):
+                order = torch.randperm(b, generator=gen) if (self.epochs > 1 or mini < b) else torch.arange(b)
+                for start in range(0, b, mini):
+                    steps.append(self._optimizer_step(batch, order[start:start + mini]))
+        finally:
+            self.model.eval()
+        out = {f"critic/{k}": sum(s[k] for s in steps) / len(steps) for k in ("value_loss", "grad_norm", "clip_frac")}
+        out["critic/skipped_steps"] = float(self.skipped_steps)
+        return out
+
+    def _optimizer_step(self, batch: ExperienceBatch, idx: torch.Tensor) -> dict[str, float]:
+        """One value-loss step over minibatch `idx` (global normaliser over its tokens)."""
         mask, returns = batch.get("response_mask"), batch.get("returns")
         old_values = batch.get("values")
-        norm = algos.make_normaliser(mask, self.loss_agg, horizon=self.horizon)  # whole batch: global
-        self.model.train()
+        norm = algos.make_normaliser(mask[idx], self.loss_agg, horizon=self.horizon)
         self.optimizer.zero_grad(set_to_none=True)
         total, clip_frac = 0.0, 0.0
-        rows = own_rows(batch, torch.arange(len(batch)))  # this data-parallel rank's rows (all on one process)
+        rows = own_rows(batch, idx)  # this data-parallel rank's rows (all on one process)
         for part in self._micro_batches(rows.tolist(), batch.samples):
             sl = torch.tensor(part, dtype=torch.long)
             v, _, _ = self._values([batch.samples[i] for i in sl.tolist()])
@@ -96,20 +118,17 @@ class Critic:
                                              clip_eps=self.cfg.value_clip or None)
             loss.backward()
             total += float(loss.detach())
-            share = float(mask[sl].sum()) / max(1.0, float(mask.sum()))
+            share = float(mask[sl].sum()) / max(1.0, float(mask[idx].sum()))
             clip_frac += float(metrics.get("value_clip_frac", 0.0)) * share
         # FSDP2: as many passes as the rank with the most rows (collectives); these add nothing
-        for _ in range(idle_passes(self.model, batch.sample_ids, self.micro)):
+        for _ in range(idle_passes(self.model, [batch.sample_ids[i] for i in idx.tolist()], self.micro)):
             (self._values(batch.samples[:1])[0].sum() * 0.0).backward()
         # Data-parallel (no-ops on one process): losses are shares of one loss, so SUM.
         sums = all_reduce_sums({"value_loss": total, "clip_frac": clip_frac})
-        total, clip_frac = sums["value_loss"], sums["clip_frac"]
         lr = lr_at(self.step, self.cfg.lr, self.cfg.warmup_steps, "constant", 0, 0.0)
         grad_norm = optimizer_step(self.model, self.optimizer, self.cfg.grad_clip, lr)
         if math.isfinite(grad_norm):
             self.step += 1
         else:
             self.skipped_steps += 1
-        self.model.eval()
-        return {"critic/value_loss": total, "critic/grad_norm": grad_norm, "critic/clip_frac": clip_frac,
-                "critic/skipped_steps": float(self.skipped_steps)}
+        return {"value_loss": sums["value_loss"], "grad_norm": grad_norm, "clip_frac": sums["clip_frac"]}

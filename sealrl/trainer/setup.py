@@ -229,8 +229,12 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
         if critic_model is None:
             torch.manual_seed(cfg.run.seed + 1)
             critic_model = CriticModel.from_causal_lm(model)   # backbone copied from the policy, new head
-        make_critic = functools.partial(Critic, critic_model, cfg.critic, pad, cfg.actor.micro_batch_size,
-                                        cfg.actor.loss_agg, horizon, tf=teacher_forcing(cfg.actor))
+        c, a = cfg.critic, cfg.actor   # the critic's own batches; the actor's where unset
+        micro = c.micro_batch_size or a.micro_batch_size
+        mini = a.mini_batch_size if c.mini_batch_size < 0 else c.mini_batch_size
+        make_critic = functools.partial(Critic, critic_model, c, pad, micro, a.loss_agg, horizon,
+                                        tf=dataclasses.replace(teacher_forcing(a), micro_batch_size=micro),
+                                        epochs=c.ppo_epochs or a.ppo_epochs, mini_batch_size=mini)
         critic = make_critic()
         if cfg.placement.critic_ranks > 1:
             critic = data_parallel_role(cfg, "critic", make_critic, critic, closers)

@@ -27,9 +27,9 @@ def update_with_rollback(run, batch: ExperienceBatch, version, it: int) -> dict:
         snaps = [(r, r.snapshot()) for r in (roles.critic, roles.actor) if r is not None and retries]
         roles.actor.attempt = attempt
         try:
-            metrics = roles.critic.update(batch) if roles.critic is not None else {}
-            metrics.update(roles.actor.update(batch, version, it, run.cfg.run.seed * 100003 + it,
-                                              kl_coef=run.kl_ctl.beta))
+            seed = run.cfg.run.seed * 100003 + it
+            metrics = roles.critic.update(batch, seed) if roles.critic is not None else {}
+            metrics.update(roles.actor.update(batch, version, it, seed, kl_coef=run.kl_ctl.beta))
             metrics["update/attempts"] = attempt + 1
             return metrics
         except Exception as e:  # noqa: BLE001 - rolled back, retried, then re-raised
