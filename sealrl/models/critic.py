@@ -75,7 +75,9 @@ class CriticModel(nn.Module):
         """Value at every position, (B, T) float32."""
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
                                position_ids=position_ids, use_cache=False).last_hidden_state
-        return self.value_head(hidden.float()).squeeze(-1)  # (B, T)
+        # a new tensor, not a view: FSDP2 hooks a root module's outputs for the backward, and an
+        # in-place op on a view of them would drop that hook silently
+        return self.value_head(hidden.float()).squeeze(-1).clone()  # (B, T)
 
     def values(self, prompts: list[list[int]], responses: list[list[int]], pad_id: int = 0,
                ) -> tuple[Tensor, Tensor, Tensor]:
@@ -93,5 +95,5 @@ class CriticModel(nn.Module):
         v = self.value_head(window.float()).squeeze(-1)  # (B, R+1)
         R = batch.response_width
         values = v[:, :R] * batch.response_mask  # (B, R)
-        last_values = v.gather(1, batch.response_lens[:, None]).squeeze(1)  # (B,)
+        last_values = v.gather(1, batch.response_lens[:, None]).squeeze(1).clone()  # (B,) not a view (forward)
         return values, last_values, batch.response_mask
