@@ -115,6 +115,12 @@ def check_config(cfg: Config) -> None:
         if mini and batch % mini:
             raise ConfigError(f"{key}={mini} must divide the batch data.prompts_per_iter * "
                               f"rollout.n = {cfg.data.prompts_per_iter} * {cfg.rollout.n} = {batch}", key)
+    a = cfg.algorithm
+    if a.old_log_prob == "bypass" and cfg.rollout.dtype != cfg.actor.dtype and not a.mismatch_tol:
+        raise ConfigError(f"algorithm.old_log_prob=bypass with rollout.dtype={cfg.rollout.dtype} and actor.dtype="
+                          f"{cfg.actor.dtype}: the rollout's log-probs become the PPO anchor although they come from "
+                          "another precision; set algorithm.mismatch_tol (e.g. 0.25) to bound the gap, or use "
+                          "old_log_prob=recompute", "algorithm.mismatch_tol")
     if cfg.algorithm.name == "optimal_token_baseline" and cfg.env.name != "none":
         raise ConfigError("algorithm.name=optimal_token_baseline with a multi-turn environment (env.name) is not "
                           "built: its per-token baseline aligns rows by index, and observation tokens leave holes "

@@ -22,6 +22,11 @@ if TYPE_CHECKING:
     from sealrl.config import ActorConfig, AlgorithmConfig
 
 
+class RolloutMismatch(RuntimeError):
+    """The training forward of the sampling policy and the rollout's log-probs of the same tokens
+    differ past algorithm.mismatch_tol: a named stop, not an update to retry."""
+
+
 class Actor:
     def __init__(self, model, cfg: ActorConfig, algo: AlgorithmConfig, run_id: str,
                  tokenizer_hash: str, temperature: float, pad_id: int, total_steps: int,
@@ -43,6 +48,7 @@ class Actor:
         self.iteration = 0      # the iteration being updated (names fault-injection points)
         self.seed = 0           # the update's seed (Clip-Cov's token draw)
         self._kept = None       # (batch, version id, log-probs, entropy) of a fused old forward
+        self._mismatch: dict[str, float] = {}   # the last update's logprob/current_vs_rollout_*
         self._has_dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()) \
             or any(getattr(model.config, k, 0) for k in ("attention_dropout", "hidden_dropout", "dropout"))
 
@@ -148,13 +154,17 @@ class Actor:
                 order = torch.randperm(b, generator=gen) if (cfg.ppo_epochs > 1 or mini < b) else torch.arange(b)
                 for start in range(0, b, mini):
                     idx = order[start:start + mini]
+                    # the first step's forward is the policy that sampled (before any update): the
+                    # train-vs-rollout mismatch is measured there, in every old_log_prob mode
+                    first = [] if epoch == 0 and start == 0 else None
                     stats = self._optimizer_step(batch, idx, old, adv, mask, kl, weights, ratios,
-                                                 kept=None if kept is None else kept[2:])
+                                                 kept=None if kept is None else kept[2:], first=first)
                     for k, v in stats.items():
                         sums.setdefault(k, []).append(v)
         finally:
             self.model.eval()
         out = {f"actor/{k}": sum(v) / len(v) for k, v in sums.items()}
+        out.update(self._mismatch)
         out["actor/skipped_steps"] = float(self.skipped_steps)
         if cfg.loss != "pg":
             # Quantiles and extremes do not add up over ranks: gather the values (exact).
@@ -166,9 +176,27 @@ class Actor:
                         algos.correction_metrics(candidates, after_rejection, weights).items()})
         return out
 
-    def _optimizer_step(self, batch, idx, old, adv, mask, kl, weights, ratios, kept=None) -> dict[str, float]:
+    def _check_mismatch(self, diff: torch.Tensor) -> dict[str, float]:
+        """logprob/current_vs_rollout_*: current - rollout log-prob at the first step's action
+        tokens (every rank's, gathered); RolloutMismatch past algorithm.mismatch_tol."""
+        x = diff.float().clamp(-20.0, 20.0)
+        worst = float(x.abs().max()) if len(x) else 0.0
+        out = {"logprob/current_vs_rollout_k1": float(-x.mean()) if len(x) else 0.0,
+               "logprob/current_vs_rollout_k3": float((x.exp() - 1 - x).mean()) if len(x) else 0.0,
+               "logprob/current_vs_rollout_abs_diff_max": worst, "logprob/current_vs_rollout_tokens": float(len(x))}
+        tol = self.algo.mismatch_tol
+        if tol and worst > tol:
+            raise RolloutMismatch(f"iteration {self.iteration}: the training forward and the rollout disagree by "
+                                  f"{worst:.3g} nats on a sampled token (algorithm.mismatch_tol={tol:g}; k1 "
+                                  f"{out['logprob/current_vs_rollout_k1']:.3g} over {len(x)} tokens)")
+        return out
+
+    def _optimizer_step(self, batch, idx, old, adv, mask, kl, weights, ratios, kept=None,
+                        first: list | None = None) -> dict[str, float]:
         """One optimizer step over minibatch `idx`. kl: (reference log-probs, coefficient) of
-        the KL-in-loss term, or None; the ratios at this rank's loss-mask tokens go to `ratios`."""
+        the KL-in-loss term, or None; the ratios at this rank's loss-mask tokens go to `ratios`.
+        `first` (the update's first step): collects current - rollout log-probs at the action
+        tokens, measured (and held to algorithm.mismatch_tol) before the optimizer steps."""
         cfg, algo = self.cfg, self.algo
         # Every data-parallel rank holds the whole batch: this normaliser is the global one.
         norm = algos.make_normaliser(mask[idx], cfg.loss_agg, horizon=self.horizon)
@@ -179,6 +207,9 @@ class Actor:
             # the fused old-log-prob forward covers exactly these rows (see compute_old_log_probs)
             lp, ent = kept if kept is not None else self._forward(batch, mi)
             m = mask[mi]
+            if first is not None:
+                action = batch.get("response_mask")[mi]
+                first.append((lp.detach() - batch.get("rollout_log_probs")[mi])[action])
             loss, metrics = self._policy_loss(lp, old[mi], adv[mi], m, norm,
                                               None if weights is None else weights[mi])
             metrics.pop("ratio_max", None)  # a max is no share of a sum: exact, over every step, in update
@@ -203,6 +234,8 @@ class Actor:
         for _ in range(idle_passes(self.model, [batch.samples[i].sample_id for i in idx.tolist()],
                                    cfg.micro_batch_size)):
             (self._forward(batch, idx[:1])[0].sum() * 0.0).backward()
+        if first is not None:
+            self._mismatch = self._check_mismatch(all_gather_cat(torch.cat(first) if first else torch.zeros(0)))
         # Data-parallel (no-ops on one process): the ranks' losses are shares of one loss, so
         # gradients and metric shares are SUMMED; clip and step then match on every rank.
         totals = all_reduce_sums(totals)

@@ -4,6 +4,7 @@ the adaptive KL controller's step."""
 from __future__ import annotations
 
 from sealrl.experience import ExperienceBatch
+from sealrl.roles.actor import RolloutMismatch
 from sealrl.trainer.iteration_metrics import ref_kl
 from sealrl.trainer.state import StageFailed
 
@@ -35,6 +36,8 @@ def update_with_rollback(run, batch: ExperienceBatch, version, it: int) -> dict:
         except Exception as e:  # noqa: BLE001 - rolled back, retried, then re-raised
             for role, snap in snaps:
                 role.restore(snap)
+            if isinstance(e, RolloutMismatch):   # the same numbers every try: a named stop
+                raise StageFailed(f"{e}; weights and optimizer restored, nothing of this iteration trained") from e
             if attempt == retries:
                 raise StageFailed(f"iteration {it}: update failed at attempt {attempt + 1} "
                                    f"({type(e).__name__}: {e}); weights and optimizer restored") from e
