@@ -23,7 +23,9 @@ fraction). A pool with one role is a standalone pool. `ray` is imported only in 
 """
 from __future__ import annotations
 
+import os
 import pickle
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -169,8 +171,13 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: 
     """A local Ray started by sealrl (address None: `num_cpus`/`num_gpus` cap it, no dashboard,
     a 256 MiB object store: experience and small models only) or a cluster started with
     `ray start --head` (address "auto" or host:port; its dashboard binds where `ray start
-    --dashboard-host` said, localhost by default). Every node needs the same sealrl installed."""
+    --dashboard-host` said, localhost by default). Every node needs the same sealrl installed.
+    RAY_ADDRESS (what `ray job submit` and KubeRay set) attaches like placement.address: the
+    cluster's resources are its own, so num_cpus/num_gpus are not passed."""
     import ray
+    if address is None and os.environ.get("RAY_ADDRESS"):
+        address, num_cpus, num_gpus = os.environ["RAY_ADDRESS"], None, None
+        print(f"sealrl: attaching to the Ray cluster at RAY_ADDRESS={address}", file=sys.stderr, flush=True)
     if address is None:
         ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
                  object_store_memory=256 * 2 ** 20)
