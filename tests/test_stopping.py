@@ -148,6 +148,16 @@ def test_an_iteration_whose_groups_all_dropped_is_in_the_ledger_with_whole_reaso
     rows = [json.loads(x) for x in (tmp_path / "e" / "r" / "ledger.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all(r["status"] == "dropped" and r["iteration"] == 0 for r in rows)
     assert all("connection refused on port 8080" in r["reason"] for r in rows)   # not cut at 120 characters
+    # the quarantine keeps what each dropped group held and what its scorer received and said
+    [q0, *_] = quarantined = [json.loads(x) for x in
+                              (tmp_path / "e" / "r" / "quarantine" / "iter_000000.jsonl").read_text().splitlines()]
+    assert [q["group_id"] for q in quarantined] == [r["group_id"] for r in rows]
+    assert len(q0["samples"]) == 4 and q0["prompt"] and q0["ground_truth"] is not None
+    s0 = q0["samples"][0]
+    assert s0["response_ids"] and s0["reward"]["status"] == "error" and "connection refused" in s0["reward"]["message"]
+    from sealrl.obs.report import _quarantine_table  # the report's section (this run has no metrics to plot)
+    html = _quarantine_table(tmp_path / "e" / "r")
+    assert "4 dropped groups" in html and "connection refused" in html
 
 
 def test_command_line_mistakes_are_one_line(tmp_path, monkeypatch, capsys):

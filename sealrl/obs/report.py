@@ -201,7 +201,42 @@ def render(run_dir: Path) -> str:
         "<h2>Stage time</h2>", _share_table(rows),
         "<h2>Sample responses (last iteration)</h2>", _sample_table(exp_path, exp_rows),
         conversation_table(run_dir, exp_path),   # multi-turn runs only
+        "<h2>Dropped groups</h2>", _quarantine_table(run_dir),
         "</body></html>", ""])
+
+
+QUARANTINE = "quarantine"   # run folder: dropped groups' content (trainer/quarantine.py)
+
+
+def read_quarantine(run_dir: Path) -> list[dict]:
+    """Every quarantined group of a run folder, in iteration order (unreadable lines skipped)."""
+    out = []
+    for path in sorted((Path(run_dir) / QUARANTINE).glob("iter_*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
+
+
+def _quarantine_table(run_dir: Path, limit: int = 20) -> str:
+    """Dropped groups (quarantine/): why, and what each candidate was and scored."""
+    groups = read_quarantine(run_dir)
+    if not groups:
+        return "<p>No group was dropped.</p>"
+    rows = []
+    for q in groups[:limit]:
+        for s in q["samples"] or [{"candidate": "-", "response_text": "(nothing generated)", "reward": None}]:
+            r = s.get("reward") or {}
+            rows.append(f"<tr><td>{q['iteration']}</td><td>{escape(q['group_id'])}</td><td>{escape(q['reason'])}</td>"
+                        f"<td>{s['candidate']}</td><td>{escape(str(s.get('response_text')))}</td>"
+                        f"<td>{escape(str(r.get('status', '')))} {escape(str(r.get('total', '')))}</td>"
+                        f"<td>{escape(str(r.get('message', '')))}</td></tr>")
+    more = f"<p>{len(groups) - limit} more groups in quarantine/.</p>" if len(groups) > limit else ""
+    return (f"<p>{len(groups)} dropped groups (quarantine/iter_*.jsonl).</p><table><tr><th>iteration</th>"
+            "<th>group</th><th>reason</th><th>candidate</th><th>response</th><th>reward</th><th>message</th></tr>"
+            + "".join(rows) + "</table>" + more)
 
 
 def write_report(run_dir: Path, out: Path | None = None) -> Path:

@@ -27,6 +27,7 @@ from sealrl.trainer.memory import hold_freed_memory
 from sealrl.trainer.pipeline import admit, pipeline, staleness_metrics
 from sealrl.trainer.position import forget_after, forget_sealed_after, restore_position, save_position
 from sealrl.trainer.prepare import advantages, append_lines, build_batch, prepare, seal
+from sealrl.trainer.quarantine import quarantine
 from sealrl.trainer.record import record
 from sealrl.trainer.remax import put_baselines
 from sealrl.trainer.retained import recall
@@ -184,6 +185,7 @@ def run_iteration(run: Run, it: int, version, lanes) -> dict:
     p = lanes.get(it)
     ages = admit(p, lanes.chain, version.id, lanes.bound)
     metrics = p.metrics
+    quarantine(run.dir, it, p)   # what each dropped group held, before anything is sealed
     if not p.kept:   # the ledger says why each group went, then the run stops naming it
         append_lines(run.dir / "ledger.jsonl", p.ledger.rows())
         raise StageFailed(f"iteration {it}: every group was dropped ({p.ledger.rows()[0]['reason']})")

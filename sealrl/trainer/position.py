@@ -205,7 +205,7 @@ def _fsync(path: Path) -> None:
 def forget_sealed_after(run_dir: Path, iteration: int) -> None:
     """At the end of a run that stopped before `iteration`: the experience files of later
     iterations were sealed before a resume and never consumed by this run; they go."""
-    for f in (run_dir / "experience").glob("iter_*.parquet"):
+    for f in [*(run_dir / "experience").glob("iter_*.parquet"), *(run_dir / "quarantine").glob("iter_*.jsonl")]:
         if int(f.stem.split("_")[1]) >= iteration:
             f.unlink()
 
