@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from sealrl import faults
+from sealrl.audit import audit_run
 from sealrl.config import build_config
 from sealrl.experience.store import read_iteration
 from sealrl.placement.train_group import ActorGroup, ActorRank, join_rows
@@ -185,3 +186,21 @@ def test_ppo_ranks_colocated_with_the_rollout_replicas_give_the_one_process_upda
     assert ma["actor/grad_norm"] == pytest.approx(mb["actor/grad_norm"], rel=1e-5)
     with pytest.raises(ValueError, match="placement.actor_ranks"):
         build_config(None, [*colocated, "placement.rollout_replicas=3"])
+
+
+@pytest.mark.slow
+def test_a_checkpoint_resumes_under_another_layout_and_back(tmp_path, ray_session, local_grpo, capsys):
+    """Written with 1 rank in this process, resumed with 2 FSDP2 ranks on Ray (and the reverse):
+    the full tensors are cut for the new layout, and the weights after the next update are the
+    uninterrupted one-process run's within the same bound as 1 vs 2 ranks (1e-6)."""
+    dp_args = ["placement.actor_ranks=2", "placement.dp_strategy=fsdp2", *DP]
+    up = run(tmp_path, "up", "algorithm.name=grpo", "run.iterations=1")
+    run(tmp_path, "up", "algorithm.name=grpo", "run.iterations=2", "run.resume=auto", *dp_args)
+    assert "written with {'actor_ranks': 1" in capsys.readouterr().err
+    assert_same_weights(local_grpo, up, "actor_model", 2)
+    down = run(tmp_path, "down", "algorithm.name=grpo", "run.iterations=1", *dp_args)
+    run(tmp_path, "down", "algorithm.name=grpo", "run.iterations=2", "run.resume=auto")
+    assert_same_weights(local_grpo, down, "actor_model", 2)
+    for folder in (up, down):
+        report = audit_run(folder)
+        assert report.ok, report.summary()

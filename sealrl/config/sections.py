@@ -349,16 +349,18 @@ class EvalConfig:
 
 @dataclass(kw_only=True, slots=True)
 class PlacementConfig:
-    backend: str = "local"                 # local (in-process) | ray (rollout replicas as Ray actors)
-    address: str = ""                      # "" = sealrl starts a local Ray; "auto" or host:port = a running cluster
-    num_cpus: int = 0                      # CPUs of a local Ray (0 = all of this machine)
-    rollout_replicas: int = 1              # standalone rollout replicas (placement.backend=ray)
-    cpus_per_replica: float = 1.0          # CPUs reserved per rollout replica
-    rollout_pool: str = "standalone"       # standalone (own Ray bundles) | colocated (replica k on actor bundle k)
+    # Placement may change on resume (DESIGN section 2: it does not change the samples; the
+    # ranks' sums round differently, so weights match the uninterrupted run within rounding)
+    backend: str = resumable("local")      # local (in-process) | ray (rollout replicas as Ray actors)
+    address: str = resumable("")           # "" = sealrl starts a local Ray; "auto" or host:port = a running cluster
+    num_cpus: int = resumable(0)           # CPUs of a local Ray (0 = all of this machine)
+    rollout_replicas: int = resumable(1)   # standalone rollout replicas (placement.backend=ray)
+    cpus_per_replica: float = resumable(1.0)  # CPUs reserved per rollout replica
+    rollout_pool: str = resumable("standalone")  # standalone (own Ray bundles) | colocated (replica k on bundle k)
     timeout_s: float = resumable(300.0)    # deadline of every remote call
-    actor_ranks: int = 1                 # data-parallel actor ranks (> 1: Ray actors in one gloo/nccl group)
-    critic_ranks: int = 1                # data-parallel critic ranks (PPO; > 1 as for the actor)
-    dp_strategy: str = "fsdp2"             # data-parallel ranks: fsdp2 (sharded; allreduce without FSDP2) | allreduce
+    actor_ranks: int = resumable(1)        # data-parallel actor ranks (> 1: Ray actors in one gloo/nccl group)
+    critic_ranks: int = resumable(1)       # data-parallel critic ranks (PPO; > 1 as for the actor)
+    dp_strategy: str = resumable("fsdp2")  # data-parallel ranks: fsdp2 (sharded; allreduce without FSDP2) | allreduce
 
     def __post_init__(self):
         _check(self.backend in ("local", "ray"), "placement.backend", "local or ray", self.backend)

@@ -59,6 +59,7 @@ def save_position(run_dir: Path, iteration: int, cfg: Config, roles, sampler, kl
         **_base_hashes(roles),
         "experience": "none pending: checkpoint taken after the iteration's batch was consumed",
         "sealed": _consumed_digests(run_dir, iteration),
+        "layout": _layout(cfg),   # the tensors are full (logical) tensors: any layout can load them
         **({"lane": lane} if lane["versions"] else {}),
         **extra,
     }
@@ -77,6 +78,13 @@ def save_position(run_dir: Path, iteration: int, cfg: Config, roles, sampler, kl
     faults.point("after_checkpoint", iteration)
     prune_checkpoints(run_dir / "checkpoints", cfg.run.keep_checkpoints)
     return folder
+
+
+def _layout(cfg: Config) -> dict:
+    """The data-parallel layout a checkpoint was written under (informational: it loads in any)."""
+    p = cfg.placement
+    return {"actor_ranks": p.actor_ranks, "critic_ranks": p.critic_ranks,
+            "dp_strategy": p.dp_strategy if max(p.actor_ranks, p.critic_ranks) > 1 else "none"}
 
 
 def _consumed_digests(run_dir: Path, iteration: int) -> dict[str, str]:
@@ -99,6 +107,10 @@ def restore_position(run_dir: Path, cfg: Config, roles, sampler, kl_ctl, data_ha
     changes = resume_changes(state, cfg, roles, data_hash)
     if changes:
         raise CheckpointError(f"cannot resume from {folder}: " + "; ".join(changes))
+    if state.get("layout", _layout(cfg)) != _layout(cfg):
+        print(f"sealrl: resuming {folder.name}, written with {state['layout']}, under {_layout(cfg)}: the full "
+              "tensors are cut for the new layout; the weights then follow the uninterrupted run within the "
+              "ranks' rounding, not bitwise", file=sys.stderr, flush=True)
     actor = roles.actor
     load_trainable_state(actor.model, tensors["actor_model"])
     optimizer_from_flat(actor.optimizer, tensors["actor_optim"], state["actor_optim"])
