@@ -50,7 +50,8 @@ def _numbers(run: Path) -> list[dict]:
     """metrics.jsonl without the timings (seconds, rates, shares: all that may differ between two
     runs), keys in order."""
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return [[(k, v) for k, v in r.items() if not (k.startswith("time/") or "_s" in k)] for r in rows]
+    measured = ("time/", "memory/", "perf/")
+    return [[(k, v) for k, v in r.items() if not (k.startswith(measured) or "_s" in k)] for r in rows]
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from sealrl.obs import memory
+
 REQUIRED_EVENT_KEYS = ("name", "ph", "ts", "pid", "tid")
 _NOT_STAGES = ("time/iteration_s", "time/train_wall_s")
 
@@ -89,12 +91,14 @@ class StageTimer:
         self.workers = dict(workers or {})   # role -> who does its stages (named in every event)
         self.iteration, self.version = 0, ""
         self.stage_seconds: dict[str, float] = {}
+        self.stage_peaks: dict[str, dict[str, float]] = {}   # stage -> {"rss_gb", "cuda_gb"} (obs/memory.py)
+        self.stage_roles: dict[str, str] = {}                # stage -> the role it runs
         self.stage_spans: list[tuple[str, float, float]] = []
         self._events: list[dict] = []
         self._t0 = time.perf_counter()
 
     def start_iteration(self, iteration: int) -> None:
-        self.iteration, self.stage_seconds, self.stage_spans = iteration, {}, []
+        self.iteration, self.stage_seconds, self.stage_spans, self.stage_peaks = iteration, {}, [], {}
 
     def lane(self) -> StageTimer:
         """A timer for another thread's stages on this timeline (same clock, no trace file of
@@ -108,6 +112,10 @@ class StageTimer:
         generation lane of an asynchronous pipeline), as if timed here; `other` keeps none."""
         for name, seconds in other.stage_seconds.items():
             self.stage_seconds[name] = self.stage_seconds.get(name, 0.0) + seconds
+        for name, peaks in other.stage_peaks.items():
+            self._peak(name, peaks)
+        self.stage_roles.update(other.stage_roles)
+        other.stage_peaks = {}
         self.stage_spans = other.stage_spans + self.stage_spans
         self._events.extend(other._events)
         other.stage_seconds, other.stage_spans, other._events = {}, [], []
@@ -123,17 +131,37 @@ class StageTimer:
 
     @contextmanager
     def stage(self, name: str, role: str):
+        memory.reset_peak()
+        self.stage_roles[name] = role
         start, t = self._now(), time.perf_counter()
         try:
             yield
         finally:
             end = time.perf_counter()
+            self._peak(name, memory.peak())
             self.stage_seconds[name] = self.stage_seconds.get(name, 0.0) + end - t
             self.stage_spans.append((name, t, end))
             self._events.append({"name": name, "cat": role, "ph": "X", "ts": start, "dur": (end - t) * 1e6,
                                  "pid": 0, "tid": role,
                                  "args": {"iteration": self.iteration, "role": role, "worker": self.worker(role),
                                           "version": self.version}})
+
+    def memory_metrics(self) -> dict[str, float]:
+        """memory/<stage>_peak_<rss|cuda>_gb for this iteration's stages, and
+        memory/role_<role>_peak_<rss|cuda>_gb, the largest over a role's stages."""
+        out: dict[str, float] = {}
+        for name, peaks in self.stage_peaks.items():
+            role = self.stage_roles.get(name, "driver")
+            for kind, gb in peaks.items():
+                out[f"memory/{name}_peak_{kind}"] = gb
+                key = f"memory/role_{role}_peak_{kind}"
+                out[key] = max(out.get(key, 0.0), gb)
+        return out
+
+    def _peak(self, name: str, peaks: dict[str, float]) -> None:
+        held = self.stage_peaks.setdefault(name, {})
+        for k, v in peaks.items():
+            held[k] = max(held.get(k, 0.0), v)
 
     def _now(self) -> float:
         return (time.perf_counter() - self._t0) * 1e6

@@ -166,6 +166,7 @@ class Actor:
         out = {f"actor/{k}": sum(v) / len(v) for k, v in sums.items()}
         out.update(self._mismatch)
         out["actor/skipped_steps"] = float(self.skipped_steps)
+        out["actor/reused_old_forward"] = float(kept is not None)   # the old log-prob pass was this update's forward
         if cfg.loss != "pg":
             # Quantiles and extremes do not add up over ranks: gather the values (exact).
             out.update({f"actor/{k}": float(v) for k, v in

@@ -22,7 +22,7 @@ from sealrl.sync.manifest import in_dtype
 from sealrl.trainer import drills, setup
 from sealrl.trainer.evaluate import evaluate
 from sealrl.trainer.inputs import check_inputs, write_dropped_rows
-from sealrl.trainer.iteration_metrics import share_metrics
+from sealrl.trainer.iteration_metrics import perf_metrics, share_metrics
 from sealrl.trainer.memory import hold_freed_memory
 from sealrl.trainer.pipeline import admit, pipeline, staleness_metrics
 from sealrl.trainer.position import forget_after, forget_sealed_after, restore_position, save_position
@@ -118,6 +118,7 @@ def _loop(run: Run, lanes, start: int, version, before: dict, wall: float, logge
         lanes.publish(it + 1, version, run.last_weights)   # the actor version that consumes iteration it + 1
         metrics["time/weight_sync_s"] = run.timer.stage_seconds.get("weight_sync", 0.0)
         metrics["sync/bytes"] = float(run.sync_bytes)
+        metrics.update(run.timer.memory_metrics())   # peak memory per stage and role, weight sync included
         metrics["time/iteration_s"] = time.perf_counter() - t0
         metrics.update(share_metrics(metrics))
         wall += metrics["time/iteration_s"]          # training time: evaluation is not counted
@@ -205,4 +206,5 @@ def run_iteration(run: Run, it: int, version, lanes) -> dict:
     if lanes.bound:
         metrics.update(staleness_metrics(ages, lanes.bound))
     metrics.update({f"time/{k}_s": v for k, v in run.timer.stage_seconds.items()})
+    metrics.update(perf_metrics(run, batch, run.timer.stage_seconds, bool(metrics.get("actor/reused_old_forward"))))
     return metrics

@@ -13,11 +13,11 @@ from sealrl.obs.timeline import stage_shares
 
 
 def is_wall_clock(key: str) -> bool:
-    """Metrics measured with a clock (stage times, latencies, queue times, throughputs): they
-    differ between any two runs; every other metric is a function of the seeds and data, and
-    bitwise the same in a resumed or repeated run."""
+    """Metrics measured with a clock or the allocator (stage times, latencies, queue times,
+    throughputs, FLOP rates, peak memory): they differ between any two runs; every other metric is a
+    function of the seeds and data, and bitwise the same in a resumed or repeated run."""
     last = key.rsplit("/", 1)[-1]
-    return key.startswith("time/") or last.endswith(("_s", "_per_s")) or "_s_" in last
+    return key.startswith(("time/", "memory/", "perf/")) or last.endswith(("_s", "_per_s")) or "_s_" in last
 
 
 def rollout_metrics(groups, records, generate_s: float) -> dict[str, float]:
@@ -161,3 +161,30 @@ def share_metrics(metrics_row: dict) -> dict[str, float]:
     `time/iteration_s`, by the timeline's one definition (sealrl.obs.timeline.stage_shares),
     which the report uses too."""
     return {f"time/share_{stage}": share for stage, share in stage_shares(metrics_row).items()}
+
+
+def perf_metrics(run, batch: ExperienceBatch, stage_seconds: dict[str, float], reused: bool) -> dict[str, float]:
+    """perf/<pass>_tflops and _mfu of the iteration's passes (obs/flops.py): generate (prefill of
+    each prompt once, every response token), the teacher-forced reference, old log-prob
+    (recompute mode) and critic passes (forward: 2 x weights x tokens) and the update (forward
+    and backward: 6 x, for every epoch, actor and critic; 4 x for the actor's when `reused`: its
+    forward was the old log-prob pass, actor/reused_old_forward)."""
+    from sealrl.obs.flops import matmul_weights, pass_metrics
+    cfg, roles = run.cfg, run.roles
+    model = roles.actor.model
+    device = str(next(model.parameters()).device)
+    actor_w = matmul_weights(model)
+    critic_w = matmul_weights(roles.critic.model) if roles.critic is not None else 0
+    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch.samples)
+    prompts = {s.group_id: len(s.prompt_ids) for s in batch.samples}
+    generated = sum(prompts.values()) + sum(len(s.response_ids) for s in batch.samples)
+    critic_epochs = cfg.critic.ppo_epochs or cfg.actor.ppo_epochs
+    actor_update = (6 * cfg.actor.ppo_epochs - (2 if reused else 0)) * actor_w
+    flops = {"generate": 2 * actor_w * generated, "reference": 2 * actor_w * tokens,
+             "critic_values": 2 * critic_w * tokens, "update": tokens * (actor_update + 6 * critic_w * critic_epochs),
+             **({"old_log_prob": 2 * actor_w * tokens} if cfg.algorithm.old_log_prob == "recompute" else {})}
+    out: dict[str, float] = {}
+    for name, f in flops.items():
+        if name in stage_seconds:
+            out.update(pass_metrics(name, f, stage_seconds[name], device))
+    return out
