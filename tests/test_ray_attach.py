@@ -29,3 +29,23 @@ def test_ray_address_alone_attaches_to_the_running_cluster(monkeypatch, capsys):
                 close()
     finally:
         cluster.shutdown()
+
+
+@pytest.mark.slow
+def test_a_pool_the_local_ray_cannot_hold_fails_at_once_naming_asked_and_free():
+    import time
+
+    from sealrl.placement.workers import PlacementError, PoolSpec, RayPool, init_ray
+    init_ray(num_cpus=2)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(PlacementError, match=r"3 x \{'CPU': 1.0\} = \{'CPU': 3.0\} cannot be placed; "
+                                                 r"the cluster has CPU 2 in all, 2 free"):
+            RayPool(PoolSpec(name="actor", roles=("actor",), num_workers=3), timeout_s=300)
+        held = RayPool(PoolSpec(name="actor", roles=("actor",), num_workers=2), timeout_s=300)
+        with pytest.raises(PlacementError, match=r"'rollout' \(rollout\).*CPU 2 in all, 0 free"):
+            RayPool(PoolSpec(name="rollout", roles=("rollout",), num_workers=1), timeout_s=300)
+        assert time.monotonic() - t0 < 60   # never the 300 s wait
+        held.close()
+    finally:
+        ray.shutdown()

@@ -31,6 +31,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from sealrl.config import UserError
+
 
 class WorkerError(RuntimeError):
     """A call on a worker failed or missed its deadline. `cause` is the worker's exception
@@ -167,6 +169,9 @@ def pools_from_config(pools: Mapping[str, Mapping[str, Any]]) -> dict[str, PoolS
     return out
 
 
+_LOCAL_RAY = False   # init_ray started a local Ray (not attached to a cluster)
+
+
 def init_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: int | None = None) -> None:
     """A local Ray started by sealrl (address None: `num_cpus`/`num_gpus` cap it, no dashboard,
     a 256 MiB object store: experience and small models only) or a cluster started with
@@ -175,20 +180,30 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: 
     RAY_ADDRESS (what `ray job submit` and KubeRay set) attaches like placement.address: the
     cluster's resources are its own, so num_cpus/num_gpus are not passed."""
     import ray
+    global _LOCAL_RAY
+    _LOCAL_RAY = False
     if address is None and os.environ.get("RAY_ADDRESS"):
         address, num_cpus, num_gpus = os.environ["RAY_ADDRESS"], None, None
         print(f"sealrl: attaching to the Ray cluster at RAY_ADDRESS={address}", file=sys.stderr, flush=True)
     if address is None:
         ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
                  object_store_memory=256 * 2 ** 20)
+        _LOCAL_RAY = True   # only this run places anything on it: what is not free now never will be
     else:
         if num_cpus is not None or num_gpus is not None:
             raise ValueError("init_ray: num_cpus/num_gpus are the cluster's own when an address is given")
         ray.init(address=address)
 
 
+class PlacementError(UserError):
+    """A pool asks for more than the cluster has, or than is free: one line naming both."""
+
+
 class RayPool:
-    """A created placement group for one PoolSpec (wait for it once, share it by its roles)."""
+    """A created placement group for one PoolSpec (wait for it once, share it by its roles).
+    A request the cluster can never hold (more than its total, or more than is free on the local
+    Ray sealrl started, where nothing else will free anything) fails at once; on an attached
+    cluster a request past what is free waits up to `timeout_s` for other jobs to release it."""
 
     def __init__(self, spec: PoolSpec, timeout_s: float = 60.0) -> None:
         import ray
@@ -197,16 +212,30 @@ class RayPool:
         if spec.num_gpus_per_worker:
             bundle["GPU"] = spec.num_gpus_per_worker
         self.spec = spec
+        asked = {k: v * spec.num_workers for k, v in bundle.items()}
+        total, free = ray.cluster_resources(), ray.available_resources()
+        short = [k for k, v in asked.items() if v > total.get(k, 0.0) + 1e-9 or
+                 (_LOCAL_RAY and v > free.get(k, 0.0) + 1e-9)]
+        if short:
+            raise PlacementError(_placement_line(spec, bundle, asked, total, free, "cannot be placed"))
         self.pg = placement_group([dict(bundle) for _ in range(spec.num_workers)], strategy="PACK")
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
         if not ready:
-            raise WorkerError(spec.name, -1, "placement_group", f"resources {bundle} x {spec.num_workers} "
-                              f"not available within {timeout_s}s (ray.cluster_resources(): "
-                              f"{ray.cluster_resources()})")
+            from ray.util.placement_group import remove_placement_group
+            remove_placement_group(self.pg)
+            raise PlacementError(_placement_line(spec, bundle, asked, total, ray.available_resources(),
+                                                 f"was not free within placement.timeout_s={timeout_s:g}"))
 
     def close(self) -> None:
         from ray.util.placement_group import remove_placement_group
         remove_placement_group(self.pg)
+
+
+def _placement_line(spec: PoolSpec, bundle: dict, asked: dict, total: dict, free: dict, what: str) -> str:
+    have = ", ".join(f"{k} {total.get(k, 0.0):g} in all, {free.get(k, 0.0):g} free" for k in asked)
+    return (f"Ray pool {spec.name!r} ({', '.join(spec.roles)}): {spec.num_workers} x {bundle} = {asked} {what}; "
+            f"the cluster has {have}. Lower placement.actor_ranks / rollout_replicas / cpus_per_replica, or "
+            "raise placement.num_cpus (local Ray) or add nodes")
 
 
 class _RoleHost:
