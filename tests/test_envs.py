@@ -102,3 +102,18 @@ def test_make_env_by_name_module_and_file(tmp_path: Path):
                        ("sealrl.envs.guess:Nope", "has no Nope"), (f"{tmp_path}/none.py:X", "no file")):
         with pytest.raises(EnvLoadError, match=match):
             make_env(bad)
+
+
+def test_a_relative_env_file_is_resolved_once_on_the_driver(tmp_path: Path, monkeypatch):
+    """env.name=my_env.py:Class relative to the driver's folder reaches a replica that runs in
+    another folder (a Ray worker's) as an absolute path (trainer/setup.episode_spec)."""
+    from sealrl.config import build_config
+    from sealrl.trainer.setup import episode_spec
+    (tmp_path / "my_env.py").write_text("from sealrl.envs.guess import GuessEnv as Mine\n")
+    monkeypatch.chdir(tmp_path)
+    spec = episode_spec(build_config(None, ["env.name=my_env.py:Mine"]))
+    assert spec.env == f"{tmp_path / 'my_env.py'}:Mine"
+    monkeypatch.chdir(tmp_path.parent)   # the replica's folder: the relative name would not load here
+    assert isinstance(make_env(spec.env), GuessEnv)
+    with pytest.raises(EnvLoadError, match="no file"):
+        make_env("my_env.py:Mine")

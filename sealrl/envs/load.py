@@ -40,6 +40,16 @@ def env_class(name: str) -> type:
     return cls
 
 
+def resolved_name(name: str) -> str:
+    """`name` with a file path made absolute against this process's working directory, so that
+    a worker elsewhere (a Ray replica runs in its own folder) loads the same file; other names
+    unchanged. Resolved once, on the driver."""
+    where, sep, cls_name = name.rpartition(":")
+    if sep and where.endswith(".py"):
+        return f"{Path(where).resolve()}:{cls_name}"
+    return name
+
+
 def make_env(name: str, tool_timeout_s: float = 2.0):
     """A fresh environment; `tool_timeout_s` reaches classes whose constructor takes `timeout_s`."""
     cls = env_class(name)
