@@ -57,8 +57,11 @@ def test_run_folder_is_complete(tmp_path, tiny_model_dir, placement):
                  for sid, k in row["replica_of"].items()}
         assert all(by_id[s.sample_id][0] == s.policy_version for s in batch.samples)
         assert {by_id[s.sample_id][1] for s in batch.samples} == {0, 1}
+        placed = json.loads((run / "placement.json").read_text())   # what ran where
+        assert [(w["role"], w["worker"]) for w in placed["workers"]] == [("rollout", 0), ("rollout", 1)]
+        assert all(w["host"] and w["node_id"] and w["sealrl"] == placed["driver"]["sealrl"] for w in placed["workers"])
     else:
-        assert not (run / "served.jsonl").exists()
+        assert not (run / "served.jsonl").exists() and not (run / "placement.json").exists()
     trace = json.loads((run / "trace.json").read_text())["traceEvents"]
     phases = [e["name"] for e in trace if e["ph"] == "i"]
     spans = {e["name"]: e["args"] for e in trace if e["ph"] == "X"}   # every stage names its worker

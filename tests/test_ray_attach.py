@@ -49,3 +49,24 @@ def test_a_pool_the_local_ray_cannot_hold_fails_at_once_naming_asked_and_free():
         held.close()
     finally:
         ray.shutdown()
+
+
+class _Nothing:
+    pass
+
+
+@pytest.mark.slow
+def test_a_worker_running_other_code_than_the_driver_is_refused_naming_it(monkeypatch):
+    from sealrl.placement import workers
+    workers.init_ray(num_cpus=2)
+    try:
+        pool = workers.RayPool(workers.PoolSpec(name="rollout", roles=("rollout",), num_workers=1), timeout_s=60)
+        group = workers.RayWorkerGroup("rollout", _Nothing, pool, timeout_s=60)   # same code: accepted
+        assert workers.HOSTS[("rollout", 0)]["sealrl"] == workers.host_info()["sealrl"]
+        real = workers.host_info
+        monkeypatch.setattr(workers, "host_info", lambda: {**real(), "sealrl": "0123456789abcdef"})  # the driver's
+        with pytest.raises(workers.PlacementError, match=r"rollout worker 0 on host .* runs sealrl [0-9a-f]{16}, "
+                                                         r"the driver 0123456789abcdef: install the same"):
+            group.restart(0, timeout_s=60)
+    finally:
+        ray.shutdown()

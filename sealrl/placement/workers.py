@@ -255,6 +255,9 @@ class _RoleHost:
     def attr(self, name: str) -> Any:
         return getattr(self.role, name)
 
+    def host_info(self) -> dict:
+        return host_info()
+
     def rendezvous(self) -> str:
         """tcp://<this node's address>:<a free port>, for rank 0 of a process group."""
         import socket
@@ -274,8 +277,34 @@ class _RoleHost:
         return dist.get_rank()
 
 
+def host_info() -> dict:
+    """Where this process runs and what it runs: Ray node, host, pid, torch and sealrl (a digest
+    of the package's source files, so two checkouts of one version number still differ)."""
+    import hashlib
+    import socket
+    from pathlib import Path
+
+    import ray
+    import torch
+
+    import sealrl
+    root = Path(sealrl.__file__).parent
+    code = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        code.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+    return {"node_id": node, "host": socket.gethostname(), "pid": os.getpid(), "torch": torch.__version__,
+            "sealrl": code.hexdigest()[:16]}
+
+
+# Where every Ray worker of this process's run was placed, role by role (trainer/setup.py writes
+# it to the run folder as placement.json; a replaced worker's entry is replaced).
+HOSTS: dict[tuple[str, int], dict] = {}
+
+
 class RayWorkerGroup:
-    """`pool.spec.num_workers` Ray actors, each hosting `factory()`; worker k on bundle k."""
+    """`pool.spec.num_workers` Ray actors, each hosting `factory()`; worker k on bundle k. A
+    worker whose torch or sealrl differ from the driver's is refused (PlacementError, one line)."""
 
     def __init__(self, role: str, factory: Callable[[], Any], pool: RayPool, timeout_s: float = 300.0,
                  threads: int = 1) -> None:
@@ -285,6 +314,18 @@ class RayWorkerGroup:
         self.restarts = 0
         self.actors = [self._start(k) for k in range(self.num_workers)]
         self.attr("__class__", timeout_s=timeout_s)  # waits until every factory has run
+        self._check_hosts(range(self.num_workers), timeout_s)
+
+    def _check_hosts(self, workers, timeout_s: float | None) -> None:
+        infos = self._collect("host_info", {k: self.actors[k].host_info.remote() for k in workers}, timeout_s)
+        mine = host_info()
+        for k, info in sorted(infos.items()):
+            HOSTS[(self.role, k)] = {"role": self.role, "worker": k, **info}
+            for key in ("torch", "sealrl"):
+                if info[key] != mine[key]:
+                    raise PlacementError(f"{self.role} worker {k} on host {info['host']} (node {info['node_id'][:12]}) "
+                                         f"runs {key} {info[key]}, the driver {mine[key]}: install the same sealrl "
+                                         "and torch on every node")
 
     def _start(self, k: int):
         """A new actor for worker k on bundle k; colocated roles split the bundle equally."""
@@ -304,6 +345,7 @@ class RayWorkerGroup:
         self.actors[k] = self._start(k)
         self.restarts += 1
         self._collect("__init__", {k: self.actors[k].attr.remote("__class__")}, timeout_s)
+        self._check_hosts([k], timeout_s)
 
     def call(self, method: str, *args, timeout_s: float | None = None, **kwargs) -> list:
         refs = {k: a.call.remote(method, *args, **kwargs) for k, a in enumerate(self.actors)}

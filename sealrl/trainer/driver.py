@@ -74,6 +74,7 @@ def _train(run: Run, schedule: dict[int, int] | None = None) -> dict:
     setup.write_run_files(run.dir, cfg, {"run": cfg.run.seed}, {"data_hash": data.hash,
                                                                 "num_train_prompts": len(data.train),
                                                                 "dropped_train_rows": data.train.num_dropped})
+    setup.write_placement(run.dir)   # which node and host run each Ray worker
     logger = MetricsLogger(run.dir, cfg.run.loggers)
     eval_kw = dict(reward_fn=setup.build_reward_fn(cfg), tokenizer=roles.tokenizer,
                    max_new_tokens=cfg.rollout.max_new_tokens, num=cfg.eval.num, pass_k=cfg.eval.pass_k,

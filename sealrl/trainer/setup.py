@@ -69,6 +69,15 @@ def lock_run_dir(run_dir: Path):
     return handle
 
 
+def write_placement(run_dir: Path) -> None:
+    """placement.json: the node, host, pid, torch and sealrl of the driver and of every Ray worker
+    of the run, by role and worker index, as they were placed at start. Not written without Ray."""
+    from sealrl.placement.workers import HOSTS, host_info
+    if HOSTS:
+        text = json.dumps({"driver": host_info(), "workers": [HOSTS[k] for k in sorted(HOSTS)]}, indent=1)
+        (run_dir / "placement.json").write_text(text)
+
+
 def write_run_files(run_dir: Path, cfg: Config, seeds: dict, extra: dict) -> None:
     """config.yaml (effective config + hash) and run.json (reproducibility metadata)."""
     (run_dir / "config.yaml").write_text(
@@ -191,6 +200,8 @@ def total_optimizer_steps(cfg: Config) -> int:
 
 
 def build_roles(cfg: Config, run_id: str) -> Roles:
+    from sealrl.placement.workers import HOSTS
+    HOSTS.clear()   # where this run's Ray workers land (placement.json)
     model, tokenizer = load_causal_lm(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     template, critic_model = model, None   # the rollout's structure; the critic when LoRA made it
     if cfg.actor.lora.rank or cfg.critic.lora.rank:
