@@ -42,6 +42,8 @@ RUNS = {
     # recovered faults (FAULTS): a failed generate call regenerated, a reward-role failure
     # re-scored, a failed update rolled back and retried as attempt 1
     "faults": ["algorithm.reward_error=retry"],
+    # scorer processes: served.jsonl says which one answered each sample (the scorers check)
+    "scorers": [*FLAKY, "reward.num_scorers=1", "algorithm.reward_error=retry"],
 }
 FAULTS = "generate@2:raise,reward@1:raise,update@1:raise"
 
@@ -431,7 +433,7 @@ def _cli(*argv) -> int:
 def test_cli_exit_status_and_summary(run, capsys):
     assert _cli("audit", str(run)) == 0
     out = capsys.readouterr().out
-    assert "3 iterations, 48 samples, 12 groups, 12 ledger rows" in out and "all 12 checks passed" in out
+    assert "3 iterations, 48 samples, 12 groups, 12 ledger rows" in out and "all 13 checks passed" in out
     _write_ledger(run, _ledger(run)[1:])
     assert _cli("audit", str(run)) == 1
     out = capsys.readouterr().out
@@ -443,3 +445,16 @@ def test_cli_exit_status_and_summary(run, capsys):
 def test_not_a_run_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.yaml"):
         audit_run(tmp_path)
+
+
+@pytest.mark.parametrize("run", ["scorers"], indirect=True)
+def test_a_reward_no_scorer_process_answered_is_named(run):
+    lines = [json.loads(x) for x in (run / "served.jsonl").read_text().splitlines()]
+    assert lines and all(set(x) == {"iteration", "scored_by"} for x in lines)
+    first = lines[0]
+    gone = sorted(first["scored_by"])[0]
+    del first["scored_by"][gone]
+    (run / "served.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    report = audit_run(run)
+    assert report.failed_checks() == ["scorers"], report.summary()
+    assert f"sample {gone}: reward ok but no scorer process answered it" in report.violations[0].message

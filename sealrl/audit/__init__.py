@@ -22,6 +22,7 @@ for every trained sample (DESIGN sections 3-4), from the files alone, with no mo
                      give under the run's config (derived again by the driver's own function)
     chain            each file's seal digest is the one consumed.jsonl and every committed
                      checkpoint recorded when the batch was trained (a file sealed again fails)
+    scorers          with scorer processes, each trained sample's reward was answered by one of them
 
     .venv/bin/sealrl audit runs/arith_grpo          # exit status 1 on any violation
 
@@ -37,7 +38,7 @@ from sealrl.audit.report import AuditReport, Violation
 __all__ = ["AuditReport", "Violation", "audit_run", "add_parser", "CHECK_NAMES"]
 
 CHECK_NAMES = ("config", "seal", "used_once", "groups_complete", "policy_version", "masks",
-               "provenance", "rewards", "ledger", "episodes", "derived", "chain")
+               "provenance", "rewards", "ledger", "episodes", "derived", "chain", "scorers")
 
 
 def audit_run(run_dir: str | Path, checks: tuple[str, ...] = CHECK_NAMES) -> AuditReport:

@@ -15,7 +15,7 @@ import math
 from collections import defaultdict
 from typing import Callable, Iterator
 
-from sealrl.audit.derived import check_chain, check_derived
+from sealrl.audit.derived import check_chain, check_derived, check_scorers
 from sealrl.audit.episodes import check_episodes
 from sealrl.audit.folder import IterationFile, RunFolder
 from sealrl.audit.ledger import SCORE_TOL, check_ledger
@@ -402,4 +402,5 @@ CHECKS: dict[str, Check] = {
     "episodes": check_episodes,
     "derived": check_derived,
     "chain": check_chain,
+    "scorers": check_scorers,
 }

@@ -8,6 +8,9 @@ chain    every checkpoint commits the seal digest of each iteration consumed bef
          (state.json's `sealed`, covered by the checkpoint's checksums, and each line of
          consumed.jsonl): a file whose facts were edited and sealed again with sealrl's own
          digest code no longer has the digest the run committed.
+scorers  with scorer processes (reward.num_scorers > 0), every trained sample's reward was
+         answered by one scorer process of its iteration (served.jsonl `scored_by`, joined by
+         sample id and request: rewards/pool.py), and none came from an unknown process.
 """
 from __future__ import annotations
 
@@ -78,6 +81,25 @@ def check_chain(run: RunFolder) -> Iterator[Violation]:
             if it in stored and digest != stored[it]:
                 yield Violation("chain", f"checkpoint {folder.name} committed seal digest {digest[:12]}, the file "
                                 f"holds {str(stored[it])[:12]}: the file was sealed again after it was trained", it)
+
+
+def check_scorers(run: RunFolder) -> Iterator[Violation]:
+    if not run.cfg.reward.num_scorers:
+        return
+    path = run.path / "served.jsonl"
+    scored: dict[int, dict[str, int]] = {}
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        scored.setdefault(row.get("iteration"), {}).update(row.get("scored_by", {}))
+    for f in run.readable:
+        answered = scored.get(f.iteration, {})
+        for sid, status in zip(f.cols.get("sample_id", []), f.cols.get("reward_status", [])):
+            if status == "ok" and sid not in answered:
+                yield Violation("scorers", f"sample {sid}: reward ok but no scorer process answered it "
+                                "(served.jsonl scored_by)", f.iteration)
 
 
 def _committed_state(folder) -> dict | None:
