@@ -19,6 +19,7 @@ from sealrl.experience import (
     group_id,
     sample_id,
 )
+from sealrl.experience.wire import GenerationRequest
 from sealrl.models.hf import load_causal_lm, model_config_hash, save_causal_lm, tokenizer_hash
 from sealrl.models.logprobs import response_log_probs
 from sealrl.models.lora import adapter_state, apply_lora, base_state, has_lora, save_policy
@@ -29,7 +30,6 @@ from sealrl.roles.actor import Actor
 from sealrl.roles.common import batch_log_probs
 from sealrl.roles.reference import Reference
 from sealrl.roles.rollout import Rollout
-from sealrl.rollout import GenerationRequest
 from sealrl.sync.adapter import merge_adapter, sync_bytes
 from sealrl.sync.manifest import WeightSyncError, build_manifest
 from sealrl.trainer.adapters import wrap_models

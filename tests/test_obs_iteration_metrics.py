@@ -11,8 +11,8 @@ import torch
 from sealrl.config import build_config
 from sealrl.experience import PolicyVersion, RewardRecord, Role, StopReason, sample_id
 from sealrl.experience.records import SamplingContract
+from sealrl.experience.wire import RolloutSample
 from sealrl.obs.timeline import StageTimer, stage_shares
-from sealrl.rollout.engine import RolloutSample
 from sealrl.trainer.collect import generate
 from sealrl.trainer.iteration_metrics import (
     batch_metrics,

@@ -17,10 +17,9 @@ from sealrl.config import ConfigError, build_config, check_config
 from sealrl.experience.ids import PolicyVersion
 from sealrl.experience.records import SamplingContract, StopReason
 from sealrl.experience.store import read_iteration
+from sealrl.experience.wire import GenerationRequest, RolloutSample
 from sealrl.models.logprobs import response_log_probs
 from sealrl.models.tiny import build_tiny_model
-from sealrl.rollout import GenerationRequest
-from sealrl.rollout.engine import RolloutSample
 from sealrl.rollout.switching import generate_switching, planned, token_steps
 from sealrl.trainer import driver as driver_module
 from sealrl.trainer import partial as partial_module

@@ -15,9 +15,9 @@ import pytest
 from sealrl.audit import audit_run
 from sealrl.config import ConfigError, build_config, check_config
 from sealrl.experience import SamplingContract
+from sealrl.experience.wire import GenerationRequest
 from sealrl.placement.process_rollout import GenerationProcessError, ProcessRollout
 from sealrl.roles.rollout import Rollout
-from sealrl.rollout.engine import GenerationRequest
 from sealrl.sync.manifest import WeightSyncError, build_manifest
 from sealrl.trainer import driver as driver_module
 from sealrl.trainer import pipeline as pipeline_module

@@ -14,10 +14,10 @@ import pytest
 from sealrl.config import ConfigError, build_config, check_config
 from sealrl.experience.records import SamplingContract, StopReason
 from sealrl.experience.store import read_iteration
+from sealrl.experience.wire import GenerationRequest
 from sealrl.models.tiny import build_tiny_model
 from sealrl.rewards.base import RewardSample
 from sealrl.rewards.pool import RewardPool
-from sealrl.rollout import GenerationRequest
 from sealrl.trainer.driver import train
 from sealrl.trainer.streaming import EarlyScores
 from tests.test_rewards_pool import Misbehave
@@ -136,7 +136,7 @@ class _Run:
 
 def _rollout_sample(candidate: int, ids: tuple, reason=StopReason.EOS):
     from sealrl.experience.ids import PolicyVersion
-    from sealrl.rollout.engine import RolloutSample
+    from sealrl.experience.wire import RolloutSample
     return RolloutSample(f"r/0/p/{candidate}", "r/0/p", candidate, (1,), ids, (0.0,) * len(ids), None, reason,
                          PolicyVersion("r", 0, 0, "h"), 7)
 

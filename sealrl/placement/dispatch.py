@@ -25,8 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 from sealrl.experience import Join, PolicyVersion, SamplingContract, sample_id, split_ids
+from sealrl.experience.wire import GenerationRequest, RolloutSample
 from sealrl.placement.workers import WorkerError, WorkerGroup
-from sealrl.rollout.engine import GenerationRequest, RolloutSample
 from sealrl.sync.manifest import WeightManifest
 
 

@@ -25,9 +25,9 @@ import time
 from typing import Any
 
 from sealrl.experience import PolicyVersion, SamplingContract
+from sealrl.experience.wire import GenerationRequest, RolloutSample
 from sealrl.placement.dispatch import ReplicaVersionError, activate_all, generate_by_id, replace_replica, stage_all
 from sealrl.placement.workers import WorkerGroup
-from sealrl.rollout.engine import GenerationRequest, RolloutSample
 from sealrl.sync.manifest import WeightManifest
 
 

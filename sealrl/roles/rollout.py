@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 
 from sealrl.experience import PolicyVersion, SamplingContract
+from sealrl.experience.wire import GenerationRequest, RolloutSample
 from sealrl.models.precision import resolve_device
 from sealrl.rollout import switching
-from sealrl.rollout.engine import GenerationRequest, RolloutEngine, RolloutSample
+from sealrl.rollout.engine import RolloutEngine
 from sealrl.rollout.episodes import EpisodeRunner, EpisodeSpec
 from sealrl.sync.manifest import WeightManifest
 

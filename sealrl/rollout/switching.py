@@ -23,7 +23,7 @@ import torch
 
 from sealrl.experience.ids import PolicyVersion, sample_id
 from sealrl.experience.records import SamplingContract
-from sealrl.rollout.engine import GenerationRequest, RolloutSample, VersionNotHeldError
+from sealrl.experience.wire import GenerationRequest, RolloutSample, VersionNotHeldError
 from sealrl.rollout.loop import RowOutputs, decode_loop, prefilled
 from sealrl.rollout.sampling import candidate_seed
 from sealrl.rollout.stops import StopChecker

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from sealrl.data.dataset import PromptSet
 from sealrl.experience import PolicyVersion, SamplingContract, group_id
+from sealrl.experience.wire import GenerationRequest, env_input
 from sealrl.rewards.base import RewardSample
 from sealrl.rewards.pool import RewardPool
 from sealrl.roles.rollout import Rollout
-from sealrl.rollout.engine import GenerationRequest
-from sealrl.rollout.episodes import env_input
 from sealrl.trainer.ledger import request_seed
 
 

@@ -19,8 +19,8 @@ import copy
 import torch
 
 from sealrl.experience import ExperienceBatch, Role, pad_token_rows
+from sealrl.experience.wire import RolloutSample
 from sealrl.rollout import switching
-from sealrl.rollout.engine import RolloutSample
 from sealrl.rollout.switching import Switch, generate_switching, planned, token_steps
 
 

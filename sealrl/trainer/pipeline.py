@@ -34,7 +34,7 @@ from collections import Counter
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
-from sealrl.rollout.engine import RolloutSample
+from sealrl.experience.wire import RolloutSample
 from sealrl.trainer.collect import decode_and_score, generate
 from sealrl.trainer.dynamic import oversample
 from sealrl.trainer.episodes import episode_metrics
