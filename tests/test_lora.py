@@ -90,8 +90,11 @@ def test_nested_overrides_and_a_target_that_matches_nothing():
         apply_lora(model, dataclasses.replace(LORA, target_modules="q_proj,qq_proj"), "actor.lora", seed=0)
     assert "\n" not in str(e.value)
     assert not has_lora(model)   # refused before anything was injected
-    ray = load_config(None, ["actor.lora.rank=4", "placement.backend=ray"])
-    with pytest.raises(ConfigError, match="need placement.backend=local"):
+    with pytest.raises(ConfigError, match=r"^actor.lora.rank=4 needs .*\(lora_adapters\); placement.backend=ray "
+                                          "selects the Ray replica pool"):   # at load: the pool's capabilities
+        load_config(None, ["actor.lora.rank=4", "placement.backend=ray"])
+    ray = load_config(None, ["actor.lora.rank=4", "placement.backend=ray"], check_run=False)
+    with pytest.raises(ConfigError, match="need placement.backend=local"):   # and again where the models are made
         wrap_models(ray, model)
 
 

@@ -220,10 +220,11 @@ def test_streamed_run_is_bitwise_the_unstreamed_run(tmp_path, monkeypatch, polic
 def test_stream_config_is_checked():
     with pytest.raises(ConfigError, match="reward.stream needs reward.num_scorers >= 1"):
         check_config(build_config(None, ["reward.stream=true"]))
-    with pytest.raises(ConfigError, match="rollout.lane=process"):
+    with pytest.raises(ConfigError, match="^reward.stream=true needs a rollout that can stream finished rows "
+                                          r"\(streams_finished_rows\); rollout.lane=process selects the generation"):
         check_config(build_config(None, ["reward.stream=true", "reward.num_scorers=1", "rollout.max_staleness=1",
                                          "rollout.lane=process", "algorithm.correction=token_is"]))
-    with pytest.raises(ConfigError, match="rollout.partial=switch with reward.stream"):
+    with pytest.raises(ConfigError, match="^reward.stream=true needs .*; rollout.partial=switch selects the switching"):
         check_config(build_config(None, ["reward.stream=true", "reward.num_scorers=1", "rollout.max_staleness=1",
                                          "rollout.partial=switch", "algorithm.correction=token_is"]))
     check_config(build_config(None, ["reward.stream=true", "reward.num_scorers=1"]))

@@ -1,6 +1,7 @@
-"""A rollout role over a group of replicas, with the Rollout interface the driver uses
-(`version`, `load`, `generate`), so the driver loop is the same for one in-process worker,
-a local group or a Ray pool (standalone or colocated).
+"""A rollout role over a group of replicas, a client of the rollout seam (seams/rollout.py;
+its capabilities are CLIENTS["ray_pool"]), so the driver loop is the same for one in-process
+worker, a local group or a Ray pool (standalone or colocated). Each replica is a
+RolloutReplica (roles/rollout.Rollout in a worker).
 
 - load(state, manifest): two phases (dispatch.stage_all, dispatch.activate_all): every
   replica stages and verifies the manifest, and only if all verified do they all switch;
@@ -28,10 +29,13 @@ from sealrl.experience import PolicyVersion, SamplingContract
 from sealrl.experience.wire import GenerationRequest, RolloutSample
 from sealrl.placement.dispatch import ReplicaVersionError, activate_all, generate_by_id, replace_replica, stage_all
 from sealrl.placement.workers import WorkerGroup
+from sealrl.seams.rollout import CLIENTS, MissingCapability
 from sealrl.sync.manifest import WeightManifest
 
 
 class RolloutPool:
+    capabilities = CLIENTS["ray_pool"].capabilities
+
     def __init__(self, group: WorkerGroup, timeout_s: float | None = None, max_replacements: int = 1) -> None:
         self.group, self.timeout_s, self.max_replacements = group, timeout_s, max_replacements
         self.served: list[dict] = []   # one entry per generate call
@@ -74,7 +78,9 @@ class RolloutPool:
         self.history.append((f"replace {k}", self._active[1].version.id if self._active else ""))
 
     def generate(self, requests: list[GenerationRequest], contract: SamplingContract,
-                 version: PolicyVersion) -> list[RolloutSample]:
+                 version: PolicyVersion, stream=None) -> list[RolloutSample]:
+        if stream is not None:   # replicas answer whole shards
+            raise MissingCapability(self, "streams_finished_rows")
         if not requests:
             return []
         self.history.append(("generate", version.id))
@@ -85,6 +91,17 @@ class RolloutPool:
         for k, v in metrics.items():
             self.join_counts[k] = self.join_counts.get(k, 0.0) + v
         return samples
+
+    def generate_switching(self, requests, contract, version, plan=None, resolve=None) -> list[RolloutSample]:
+        raise MissingCapability(self, "switches_versions")
+
+    def retain(self, versions: int) -> None:
+        """Every replica serves the one active version; more is not built (async needs local)."""
+        if versions != 1:
+            raise MissingCapability(self, "retained_versions")
+
+    def pin_base(self, state, manifest) -> str:
+        raise MissingCapability(self, "lora_adapters")   # adapter-only sync to replicas is not built
 
     def take_recoveries(self) -> list[float]:
         """Seconds each replica replacement took (start a fresh one, load the active version

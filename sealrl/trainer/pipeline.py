@@ -243,7 +243,7 @@ class Pipeline:
                 version = self._wait_version(self.source(it))
                 with self._rollout_lock:
                     lane.timer.start_iteration(it)
-                    p = produce(lane_run(lane, it, *self._plan(it)), it, self._prompts(it), version)
+                    p = produce(lane_run(lane, *self._plan(it)), it, self._prompts(it), version)
                     if self._process is not None:
                         self._process.check()
                 p.timer, lane.timer = lane.timer, self.run.timer.lane()
