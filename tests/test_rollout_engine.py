@@ -144,7 +144,7 @@ def test_stop_reasons(trained):
 
 
 def record_decode_batches(engine) -> list[int]:
-    backend, sizes = engine._active.backend, []
+    backend, sizes = engine.versions.active.held, []
     decode = backend.decode
     backend.decode = lambda cache, ids, *a: (sizes.append(ids.shape[0]), decode(cache, ids, *a))[1]
     return sizes
