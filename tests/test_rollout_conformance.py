@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -213,6 +214,25 @@ def test_a_lost_host_is_named(factory, fresh, objects):
     factory.lost(client, requests[:3], v0.version, reference(model, tok, state, v0, requests[:3]))
 
 
+@pytest.mark.slow
+def test_a_replaced_replica_serves_the_retained_versions(request, objects):
+    """Ray pool, retain(2): replica 0 dies; its replacement retains 2 and loads v0 then v1,
+    verified, so a call under the retained v0 is served with the same records."""
+    model, tok, (state, v0), (state1, v1), requests = objects
+    client = _ray_pool(request, model, tok)
+    try:
+        client.retain(2)
+        client.load(state, v0)
+        client.load(state1, v1)
+        _kill_replica(client)
+        assert_same_records(client.generate(requests, CONTRACT, v0.version), reference(model, tok, state, v0, requests))
+        assert len(client.take_recoveries()) == 1 and client.group.attr("version") == [v1.version, v1.version]
+        assert_same_records(client.generate(requests, CONTRACT, v1.version),
+                            reference(model, tok, state1, v1, requests))
+    finally:
+        client.close()
+
+
 # ---- one case per capability: exercised where declared, refused where not -------------------
 
 def _streams(client, fresh, objects) -> None:
@@ -281,6 +301,27 @@ def _retained(client, fresh, objects) -> None:
         client.retain(1)
 
 
+def _loads_while_generating(client, fresh, objects) -> None:
+    """The training lane publishes v1 while the generation lane samples under v0 (retained):
+    both calls finish, the samples are v0's own records, v1 is then active."""
+    import threading
+    model, tok, (state, v0), (state1, v1), requests = objects
+    client.retain(2)
+    client.load(state, v0)
+    out: dict = {}
+    big = [dataclasses.replace(r, candidates=tuple(range(8))) for r in requests]   # a longer call
+    lane = threading.Thread(target=lambda: out.update(got=client.generate(big, CONTRACT, v0.version)))
+    try:
+        lane.start()
+        assert client.load(state1, v1) == v1.version
+        lane.join(timeout=120)
+        assert not lane.is_alive()
+    finally:
+        client.retain(1)
+    assert_same_records(out["got"], reference(model, tok, state, v0, big))
+    assert client.version == v1.version
+
+
 def _lora(client, fresh, objects) -> None:
     """Pin the frozen base, then load a version that is only an adapter: it serves base + B A."""
     model, tok, (state, v0), _, requests = objects
@@ -311,6 +352,7 @@ CASES = {   # capability -> (exercise it, the call that is refused where it is n
     "multi_turn": (_multi_turn, None),          # chosen at construction (EpisodeSpec): no call to refuse
     "bounded_rows": (_bounded_rows, None),      # chosen at construction (rows)
     "retained_versions": (_retained, lambda c, o: c.retain(2)),
+    "loads_while_generating": (_loads_while_generating, None),   # a way of calling: the config refuses it
     "lora_adapters": (_lora, lambda c, o: c.pin_base(o[2][0], o[2][1])),
 }
 
@@ -319,15 +361,32 @@ def test_every_capability_has_a_case():
     assert set(CASES) == {f.name for f in dataclasses.fields(Capabilities)}
 
 
+ASYNC = ["rollout.max_staleness=1", "algorithm.correction=token_is"]
+FEATURES = {   # capability -> the config that asks for it
+    "retained_versions": ASYNC, "loads_while_generating": ASYNC,
+    "switches_versions": [*ASYNC, "rollout.partial=switch"],
+    "streams_finished_rows": ["reward.stream=true", "reward.num_scorers=1"], "bounded_rows": ["rollout.max_rows=4"],
+    "multi_turn": ["env.name=guess"], "lora_adapters": ["actor.lora.rank=4"]}
+SELECTORS = {"engine": [], "process": [*ASYNC, "rollout.lane=process"], "ray_pool": ["placement.backend=ray"]}
+
+
 @pytest.mark.parametrize("capability", list(CASES))
-def test_a_declared_capability_works_and_an_undeclared_one_is_refused(capability, client, fresh, objects):
+def test_a_declared_capability_works_and_an_undeclared_one_is_refused(capability, client, factory, fresh, objects):
+    """Declared: exercised. Not declared: the call is refused by MissingCapability, and a config
+    that asks for the feature with this client is refused at load naming the capability."""
     exercise, refused_call = CASES[capability]
     if getattr(client.capabilities, capability):
         exercise(client, fresh, objects)
         return
-    assert refused_call is not None, f"{capability} undeclared, but nothing refuses it"
-    with pytest.raises(MissingCapability, match=capability):
-        refused_call(client, objects)
+    if refused_call is not None:
+        with pytest.raises(MissingCapability, match=capability):
+            refused_call(client, objects)
+    from sealrl.config import ConfigError, build_config, check_config
+    from sealrl.seams.rollout import requires
+    cfg = build_config(None, [*SELECTORS[factory.kind], *FEATURES[capability]])
+    first = next(c for _, _, c in requires(cfg) if not getattr(client.capabilities, c))   # async before switch
+    with pytest.raises(ConfigError, match=rf"\({first}\); .*{re.escape(CLIENTS[factory.kind].name)}"):
+        check_config(cfg)
 
 
 # ---- the wrappers and the config ----------------------------------------------------------
@@ -354,15 +413,10 @@ def test_the_wrappers_pass_the_protocol_and_their_capabilities_through(objects):
 def test_config_refusals_follow_the_selected_clients_capabilities():
     from sealrl.config import ConfigError, build_config, check_config
     from sealrl.seams.rollout import requires, selected_client
-    async_ = ["rollout.max_staleness=1", "algorithm.correction=token_is"]
-    features = {"retained_versions": async_, "switches_versions": [*async_, "rollout.partial=switch"],
-                "streams_finished_rows": ["reward.stream=true", "reward.num_scorers=1"],
-                "bounded_rows": ["rollout.max_rows=4"], "multi_turn": ["env.name=guess"],
-                "lora_adapters": ["actor.lora.rank=4"]}
-    selectors = {"engine": [], "process": [*async_, "rollout.lane=process"], "ray_pool": ["placement.backend=ray"]}
-    for kind, select in selectors.items():
+    assert set(FEATURES) == set(CASES)
+    for kind, select in SELECTORS.items():
         caps = CLIENTS[kind].capabilities
-        for cap, asks in features.items():
+        for cap, asks in FEATURES.items():
             cfg = build_config(None, [*select, *asks])
             assert selected_client(cfg)[0] == kind and cap in [c for _, _, c in requires(cfg)]
             lacking = [c for _, _, c in requires(cfg) if not getattr(caps, c)]
@@ -375,7 +429,7 @@ def test_config_refusals_follow_the_selected_clients_capabilities():
             assert CLIENTS[kind].name in str(e.value) and e.value.key == requires(cfg)[
                 [c for _, _, c in requires(cfg)].index(lacking[0])][0]
     # switching generation on a client that streams: refused by the switching generation's row
-    cfg = build_config(None, [*features["switches_versions"], *features["streams_finished_rows"]])
+    cfg = build_config(None, [*FEATURES["switches_versions"], *FEATURES["streams_finished_rows"]])
     with pytest.raises(ConfigError, match=r"^reward.stream=true needs .*\(streams_finished_rows\); "
                                           r"rollout.partial=switch selects the switching generation"):
         check_config(cfg)

@@ -17,8 +17,9 @@ RolloutReplica (roles/rollout.Rollout in a worker).
 - `history` records, in order, every load and generate call with its version, and every
   replacement; `served` records, per generate call, which replica served which sample id.
 
-The pool keeps the shared state of the active version (one copy; in Ray's object store) so a
-replacement replica can be brought to it without the actor.
+The pool keeps the shared state of the versions its replicas hold (the active one, and with
+retain(k) the last k loaded; one copy each, in Ray's object store) so a replacement replica can
+be brought to all of them, verified, without the actor.
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ class RolloutPool:
         self.history: list[tuple[str, str]] = []   # ("load" | "generate" | "replace k", version id)
         self.recoveries: list[float] = []          # seconds each replacement took, since the last take
         self.join_counts: dict[str, float] = {}
-        self._active: tuple[Any, WeightManifest] | None = None   # (shared state, manifest) every replica serves
+        self._held: list[tuple[Any, WeightManifest]] = []   # (shared state, manifest) every replica holds, oldest first
+        self._retain = 1
 
     @property
     def version(self) -> PolicyVersion | None:
@@ -66,16 +68,16 @@ class RolloutPool:
             for k in sorted(k for k, e in failed.items() if e.lost):
                 self._replace(k)  # back to the version the others still serve
             raise failed[min(failed)]
-        self._active = (shared, manifest)  # every replica verified v: the commit point
+        self._held = (self._held + [(shared, manifest)])[-self._retain:]  # every replica verified v: the commit point
         activate_all(self.group, manifest.version, self.timeout_s, replace=self._replace)
         self.history.append(("load", manifest.version.id))
         return manifest.version
 
     def _replace(self, k: int) -> None:
         t0 = time.perf_counter()
-        replace_replica(self.group, k, self._active, self.timeout_s)
+        replace_replica(self.group, k, self._held, self._retain, self.timeout_s)
         self.recoveries.append(time.perf_counter() - t0)
-        self.history.append((f"replace {k}", self._active[1].version.id if self._active else ""))
+        self.history.append((f"replace {k}", self._held[-1][1].version.id if self._held else ""))
 
     def generate(self, requests: list[GenerationRequest], contract: SamplingContract,
                  version: PolicyVersion, stream=None) -> list[RolloutSample]:
@@ -96,9 +98,13 @@ class RolloutPool:
         raise MissingCapability(self, "switches_versions")
 
     def retain(self, versions: int) -> None:
-        """Every replica serves the one active version; more is not built (async needs local)."""
-        if versions != 1:
-            raise MissingCapability(self, "retained_versions")
+        """Every replica keeps serving the last `versions` loaded versions (1 = only the active
+        one); a replacement replica is brought to each of them."""
+        if versions < 1:
+            raise ValueError(f"retain: versions must be >= 1, got {versions}")
+        self.group.call("retain", versions, timeout_s=self.timeout_s)
+        self._retain = versions
+        self._held = self._held[-versions:]
 
     def pin_base(self, state, manifest) -> str:
         raise MissingCapability(self, "lora_adapters")   # adapter-only sync to replicas is not built

@@ -36,6 +36,7 @@ class Capabilities:
     multi_turn: bool             # plays multi-turn episodes (env.name); the lean backend keeps each turn's cache
     bounded_rows: bool           # at most rollout.max_rows rows decode at once (waves or continuous batching)
     retained_versions: bool      # retain(k): the last k activated versions keep serving (async generation)
+    loads_while_generating: bool  # load() from another thread while a generate call runs (async publication)
     lora_adapters: bool          # pin_base, then versions that are adapters merged into that base
 
 
@@ -45,6 +46,7 @@ WHAT = {   # a capability, as the messages say it
     "multi_turn": "play multi-turn episodes",
     "bounded_rows": "bound the rows decoding at once",
     "retained_versions": "retain earlier versions",
+    "loads_while_generating": "load a version while generating",
     "lora_adapters": "load LoRA adapters on a pinned base",
 }
 
@@ -58,22 +60,23 @@ class ClientKind:
 CLIENTS = {
     "engine": ClientKind("the in-process engine (roles/rollout.py)", Capabilities(
         streams_finished_rows=True, switches_versions=True, multi_turn=True, bounded_rows=True,
-        retained_versions=True, lora_adapters=True)),
+        retained_versions=True, loads_while_generating=True, lora_adapters=True)),
     # its pipes carry no stream of finished rows; the pinned base is not sent to it
     "process": ClientKind("the generation process (placement/process_rollout.py)", Capabilities(
         streams_finished_rows=False, switches_versions=True, multi_turn=True, bounded_rows=True,
-        retained_versions=True, lora_adapters=False)),
-    # replicas activate one version together and serve only it; adapters are not synced to them
+        retained_versions=True, loads_while_generating=True, lora_adapters=False)),
+    # replicas activate each version together (and retain the last k); a load queues behind a
+    # generate on each replica and the pool is driven from one thread; adapters are not synced
     "ray_pool": ClientKind("the Ray replica pool (placement/rollout_pool.py)", Capabilities(
         streams_finished_rows=False, switches_versions=False, multi_turn=True, bounded_rows=True,
-        retained_versions=False, lora_adapters=False)),
+        retained_versions=True, loads_while_generating=False, lora_adapters=False)),
 }
 
 # rollout.partial=switch: generate goes through rollout/switching.py, one decode loop whose
 # segments neither hand finished rows on, bound the rows, nor play episodes
 SWITCHING = ClientKind("the switching generation (rollout/switching.py)", Capabilities(
     streams_finished_rows=False, switches_versions=True, multi_turn=False, bounded_rows=False,
-    retained_versions=True, lora_adapters=True))
+    retained_versions=True, loads_while_generating=True, lora_adapters=True))
 
 
 def switching(caps: Capabilities) -> Capabilities:
@@ -95,8 +98,9 @@ def selected_client(cfg) -> tuple[str, str]:
 def requires(cfg) -> list[tuple[str, Any, str]]:
     """(config key, its value, the capability it needs) for every rollout feature `cfg` asks for."""
     r, out = cfg.rollout, []
-    if r.max_staleness:
+    if r.max_staleness:   # the lane samples from older versions while the training lane publishes
         out.append(("rollout.max_staleness", r.max_staleness, "retained_versions"))
+        out.append(("rollout.max_staleness", r.max_staleness, "loads_while_generating"))
     if r.partial == "switch":
         out.append(("rollout.partial", r.partial, "switches_versions"))
     if cfg.reward.stream:
