@@ -8,7 +8,7 @@ through: `trainer/partial.SwitchingRollout` (rollout.partial=switch) and the fau
 wrapper (`trainer/drills.py`). The wire they speak is `experience/wire.py`.
 
 The config selects a client kind (`selected_client`); check_config (config/loading.py) refuses
-at load every key whose capability that kind lacks (`REQUIRES`), so an iteration never asks a
+at load every key whose capability that kind lacks (`requires`), so an iteration never asks a
 client for what it cannot do. A client asked anyway raises MissingCapability naming it.
 `tests/test_rollout_conformance.py` runs every client through the same cases, including one
 per declared capability. A new client (another engine) adds a row to CLIENTS and a factory
