@@ -38,6 +38,7 @@ def test_retain_serves_the_last_k_activations_and_no_older():
         slots.activate(slots.stage(v(step), lambda step=step: f"weights {step}"))
     assert slots.serving(v(1)).held == "weights 1" and slots.serving(v(2)).held == "weights 2"
     assert slots.serving().version == v(2)
+    assert [s.version for s in slots.held()] == [v(1), v(2)]   # what a replacement loads, in order
     with pytest.raises(VersionNotHeldError, match=r"run@0.0.*holds run@2.0"):
         slots.serving(v(0))
     slots.retain(1)   # back to the active one only

@@ -32,6 +32,7 @@ from sealrl.placement.dispatch import ReplicaVersionError, activate_all, generat
 from sealrl.placement.workers import WorkerGroup
 from sealrl.seams.rollout import CLIENTS, MissingCapability
 from sealrl.sync.manifest import WeightManifest
+from sealrl.sync.versions import VersionSlots
 
 
 class RolloutPool:
@@ -43,8 +44,9 @@ class RolloutPool:
         self.history: list[tuple[str, str]] = []   # ("load" | "generate" | "replace k", version id)
         self.recoveries: list[float] = []          # seconds each replacement took, since the last take
         self.join_counts: dict[str, float] = {}
-        self._held: list[tuple[Any, WeightManifest]] = []   # (shared state, manifest) every replica holds, oldest first
         self._retain = 1
+        # (shared state, manifest) of the versions every replica holds: the pool's own slots (sync/versions.py)
+        self.versions: VersionSlots[tuple[Any, WeightManifest]] = VersionSlots()
 
     @property
     def version(self) -> PolicyVersion | None:
@@ -68,16 +70,18 @@ class RolloutPool:
             for k in sorted(k for k, e in failed.items() if e.lost):
                 self._replace(k)  # back to the version the others still serve
             raise failed[min(failed)]
-        self._held = (self._held + [(shared, manifest)])[-self._retain:]  # every replica verified v: the commit point
+        # every replica verified v: the commit point (a replica replaced from here on loads v)
+        self.versions.activate(self.versions.stage(manifest.version, lambda: (shared, manifest)))
         activate_all(self.group, manifest.version, self.timeout_s, replace=self._replace)
         self.history.append(("load", manifest.version.id))
         return manifest.version
 
     def _replace(self, k: int) -> None:
         t0 = time.perf_counter()
-        replace_replica(self.group, k, self._held, self._retain, self.timeout_s)
+        held = [snap.held for snap in self.versions.held()]
+        replace_replica(self.group, k, held, self._retain, self.timeout_s)
         self.recoveries.append(time.perf_counter() - t0)
-        self.history.append((f"replace {k}", self._held[-1][1].version.id if self._held else ""))
+        self.history.append((f"replace {k}", held[-1][1].version.id if held else ""))
 
     def generate(self, requests: list[GenerationRequest], contract: SamplingContract,
                  version: PolicyVersion, stream=None) -> list[RolloutSample]:
@@ -100,11 +104,9 @@ class RolloutPool:
     def retain(self, versions: int) -> None:
         """Every replica keeps serving the last `versions` loaded versions (1 = only the active
         one); a replacement replica is brought to each of them."""
-        if versions < 1:
-            raise ValueError(f"retain: versions must be >= 1, got {versions}")
+        self.versions.retain(versions)   # refuses versions < 1 before any replica is asked
         self.group.call("retain", versions, timeout_s=self.timeout_s)
         self._retain = versions
-        self._held = self._held[-versions:]
 
     def pin_base(self, state, manifest) -> str:
         raise MissingCapability(self, "lora_adapters")   # adapter-only sync to replicas is not built

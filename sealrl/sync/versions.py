@@ -1,6 +1,7 @@
 """The versions a rollout holds: stage, verify, activate, retain (DESIGN sections 5 and 11). One
 mechanism for every rollout client; what a snapshot holds is the client's (the native engine
-keeps a forward backend, another engine would keep its own handle).
+keeps a forward backend, the Ray pool the shared state and manifest a replacement replica
+loads, another engine would keep its own handle).
 
 What it guarantees:
 
@@ -83,6 +84,12 @@ class VersionSlots(Generic[Held]):
             held = "nothing" if snap is None else str(snap.version)
             raise VersionNotHeldError(f"asked to activate {version}, this replica has {held} staged")
         return version
+
+    def held(self) -> list[Snapshot[Held]]:
+        """Every snapshot that serves, oldest first: the retained ones, then the active one (what
+        a replacement must load, in this order, to hold the same)."""
+        snap = self._active
+        return [*self._retired, snap] if snap is not None else list(self._retired)
 
     def discard_staged(self) -> None:
         """Drop a staged copy that will not be activated (another replica failed to verify)."""
