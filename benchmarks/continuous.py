@@ -31,9 +31,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from sealrl.experience.records import SamplingContract  # noqa: E402
+from sealrl.experience.wire import GenerationRequest  # noqa: E402
 from sealrl.models.hf import load_causal_lm, model_config_hash, tokenizer_hash  # noqa: E402
 from sealrl.models.tiny import build_tiny_model  # noqa: E402
-from sealrl.rollout import GenerationRequest, RolloutEngine  # noqa: E402
+from sealrl.rollout import RolloutEngine  # noqa: E402
 from sealrl.sync.manifest import build_manifest  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

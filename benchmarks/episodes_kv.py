@@ -29,9 +29,10 @@ from sealrl.data.dataset import prompts_from_rows  # noqa: E402
 from sealrl.data.tasks import make_task  # noqa: E402
 from sealrl.envs import make_env  # noqa: E402
 from sealrl.experience.records import SamplingContract  # noqa: E402
+from sealrl.experience.wire import GenerationRequest, env_input  # noqa: E402
 from sealrl.models.hf import load_causal_lm, model_config_hash, tokenizer_hash  # noqa: E402
-from sealrl.rollout import GenerationRequest, RolloutEngine  # noqa: E402
-from sealrl.rollout.episodes import EpisodeRunner, EpisodeSpec, env_input  # noqa: E402
+from sealrl.rollout import RolloutEngine  # noqa: E402
+from sealrl.rollout.episodes import EpisodeRunner, EpisodeSpec  # noqa: E402
 from sealrl.sync.manifest import build_manifest  # noqa: E402
 
 

@@ -1,5 +1,6 @@
-"""A rollout role that forces a partial-rollout switch in the generation process (where a test
-cannot patch anything): the rule of tests/test_partial.py `_forced`, in the child."""
+"""A rollout role that forces a partial-rollout switch at a chosen token, in this process or in
+the generation process (where a test cannot patch anything): tests/test_partial.py builds its
+runs with it (trainer.setup.Rollout)."""
 import time
 
 from sealrl.roles.rollout import Rollout
@@ -9,9 +10,9 @@ from sealrl.rollout import switching
 class HeldRollout(Rollout):
     """Live switching held at token 2 of iterations >= 1 until a newer version is loaded here."""
 
-    def generate_switching(self, requests, contract, version, plan=None):
+    def generate_switching(self, requests, contract, version, plan=None, resolve=None):
         if plan is not None:
-            return super().generate_switching(requests, contract, version, plan)
+            return super().generate_switching(requests, contract, version, plan, resolve)
         it, engine = int(requests[0].group_id.split("/")[-2]), self.engine
         switch = forced_switch(engine, it)
         return switching.generate_switching(engine, requests, contract, version, switch)

@@ -149,7 +149,7 @@ def test_cuda_rollout_holds_the_verified_bf16_bytes_on_the_device():
     state16, manifest16 = in_dtype(state, manifest, "bf16")
     rollout = Rollout(model, tokenizer, device="cuda")
     rollout.load(state16, manifest16)
-    embed = rollout.engine._active.backend.lm.embed   # what the device samples with
+    embed = rollout.engine.versions.active.held.lm.embed   # what the device samples with
     assert embed.device.type == "cuda" and embed.dtype == torch.bfloat16
     assert tensor_sha256(embed) == manifest16.entries["model.embed_tokens.weight"].sha256
 

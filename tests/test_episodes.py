@@ -12,8 +12,8 @@ from sealrl.envs.tools import ToolEnv
 from sealrl.experience.episode import EnvStatus, EpisodeRecord
 from sealrl.experience.ids import PolicyVersion
 from sealrl.experience.records import SamplingContract, StopReason
+from sealrl.experience.wire import GenerationRequest, RolloutSample
 from sealrl.models.tiny import build_tiny_model
-from sealrl.rollout.engine import GenerationRequest, RolloutSample
 from sealrl.rollout.episodes import EpisodeRunner, EpisodeSpec, turn_seed
 
 V = PolicyVersion("run", 3)

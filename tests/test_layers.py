@@ -9,7 +9,7 @@ from pathlib import Path
 import sealrl
 
 FLOORS = (
-    ("config", "experience", "algos", "models", "data", "obs", "faults", "plugins"),
+    ("config", "experience", "algos", "models", "data", "obs", "faults", "plugins", "seams"),
     ("rewards", "rollout", "sync", "envs"),
     ("roles",),
     ("placement",),

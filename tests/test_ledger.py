@@ -3,7 +3,7 @@ the driver's own attempt loops (trainer/collect.py) with scripted roles."""
 import dataclasses
 
 from sealrl.experience import PolicyVersion, RewardRecord, RewardStatus, StopReason, sample_id
-from sealrl.rollout.engine import RolloutSample
+from sealrl.experience.wire import RolloutSample
 from sealrl.trainer.collect import generate, score
 from sealrl.trainer.ledger import new_iteration, request_seed
 from tests.helpers_experience import ScriptedRole, stage_run

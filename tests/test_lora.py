@@ -19,6 +19,7 @@ from sealrl.experience import (
     group_id,
     sample_id,
 )
+from sealrl.experience.wire import GenerationRequest
 from sealrl.models.hf import load_causal_lm, model_config_hash, save_causal_lm, tokenizer_hash
 from sealrl.models.logprobs import response_log_probs
 from sealrl.models.lora import adapter_state, apply_lora, base_state, has_lora, save_policy
@@ -29,7 +30,6 @@ from sealrl.roles.actor import Actor
 from sealrl.roles.common import batch_log_probs
 from sealrl.roles.reference import Reference
 from sealrl.roles.rollout import Rollout
-from sealrl.rollout import GenerationRequest
 from sealrl.sync.adapter import merge_adapter, sync_bytes
 from sealrl.sync.manifest import WeightSyncError, build_manifest
 from sealrl.trainer.adapters import wrap_models
@@ -90,8 +90,11 @@ def test_nested_overrides_and_a_target_that_matches_nothing():
         apply_lora(model, dataclasses.replace(LORA, target_modules="q_proj,qq_proj"), "actor.lora", seed=0)
     assert "\n" not in str(e.value)
     assert not has_lora(model)   # refused before anything was injected
-    ray = load_config(None, ["actor.lora.rank=4", "placement.backend=ray"])
-    with pytest.raises(ConfigError, match="need placement.backend=local"):
+    with pytest.raises(ConfigError, match=r"^actor.lora.rank=4 needs .*\(lora_adapters\); placement.backend=ray "
+                                          "selects the Ray replica pool"):   # at load: the pool's capabilities
+        load_config(None, ["actor.lora.rank=4", "placement.backend=ray"])
+    ray = load_config(None, ["actor.lora.rank=4", "placement.backend=ray"], check_run=False)
+    with pytest.raises(ConfigError, match="need placement.backend=local"):   # and again where the models are made
         wrap_models(ray, model)
 
 

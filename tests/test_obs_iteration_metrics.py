@@ -11,8 +11,8 @@ import torch
 from sealrl.config import build_config
 from sealrl.experience import PolicyVersion, RewardRecord, Role, StopReason, sample_id
 from sealrl.experience.records import SamplingContract
+from sealrl.experience.wire import RolloutSample
 from sealrl.obs.timeline import StageTimer, stage_shares
-from sealrl.rollout.engine import RolloutSample
 from sealrl.trainer.collect import generate
 from sealrl.trainer.iteration_metrics import (
     batch_metrics,
@@ -57,7 +57,7 @@ def test_engine_finish_times_follow_the_decode_steps(tiny_engine):
     """Each decode step takes >= 30 ms: a row that stopped after k tokens finished after k - 1
     decode steps; rows stopping at the same step share one finish time exactly."""
     engine, version, tokenizer = tiny_engine
-    backend = engine._active.backend
+    backend = engine.versions.active.held
     decode = backend.decode
 
     def slow_decode(*args):

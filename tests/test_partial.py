@@ -17,19 +17,18 @@ from sealrl.config import ConfigError, build_config, check_config
 from sealrl.experience.ids import PolicyVersion
 from sealrl.experience.records import SamplingContract, StopReason
 from sealrl.experience.store import read_iteration
+from sealrl.experience.wire import GenerationRequest, RolloutSample
 from sealrl.models.logprobs import response_log_probs
 from sealrl.models.tiny import build_tiny_model
-from sealrl.rollout import GenerationRequest
-from sealrl.rollout.engine import RolloutSample
+from sealrl.rollout import switching
 from sealrl.rollout.switching import generate_switching, planned, token_steps
 from sealrl.trainer import driver as driver_module
-from sealrl.trainer import partial as partial_module
 from sealrl.trainer import setup as trainer_setup
 from sealrl.trainer.driver import train
 from sealrl.trainer.ledger import new_iteration
 from sealrl.trainer.pipeline import Produced, admit
 from sealrl.trainer.replay import recorded_schedule, replay
-from tests.helpers_partial import forced_switch as _forced
+from tests.helpers_partial import HeldRollout
 from tests.test_audit import _iter, _reseal, _rewrite
 from tests.test_pipeline import _train
 from tests.test_rollout_engine import encode, make_engine, mixed_requests
@@ -165,7 +164,7 @@ def test_config_refuses_switch_where_it_is_not_built():
 def switch_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("switch")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(partial_module, "live_switch", _forced)
+        mp.setattr(trainer_setup, "Rollout", HeldRollout)
         summary, run = _train(out, "sw", *SWITCH, "rollout.temperature=1.5", "actor.lr=1e-2")   # weights that move
     return summary, run
 
@@ -243,7 +242,7 @@ def test_a_switch_run_killed_and_resumed_loses_and_duplicates_nothing(switch_run
     (docs/async.md)."""
     from tests.test_exact_resume import _consumed, _ledger, _on_call
     args = (*SWITCH, "rollout.temperature=1.5", "actor.lr=1e-2")
-    monkeypatch.setattr(partial_module, "live_switch", _forced)
+    monkeypatch.setattr(trainer_setup, "Rollout", HeldRollout)
     real = driver_module.update
     monkeypatch.setattr(driver_module, "update", _on_call(4, real))
     with pytest.raises(RuntimeError, match="injected crash"):
@@ -263,7 +262,7 @@ def test_switch_mode_without_a_publication_mid_generation_is_the_finish_run(tmp_
     """The switching generator with no switch samples bitwise what the engine's generate does:
     same weights, same tokens and log-probs; only the record gains token_versions."""
     finish, finish_run = _train(tmp_path / "f", "r", *SWITCH[:2], "rollout.max_new_tokens=6")
-    monkeypatch.setattr(partial_module, "live_switch", lambda engine, it: lambda step, current: None)
+    monkeypatch.setattr(switching, "live_switch", lambda engine: lambda step, current: None)
     switch, switch_run = _train(tmp_path / "s", "r", *SWITCH)
     assert switch["weights_hash"] == finish["weights_hash"]
     for i in range(4):
@@ -279,7 +278,6 @@ def test_switch_mode_without_a_publication_mid_generation_is_the_finish_run(tmp_
 def test_switch_in_the_generation_process_is_bitwise_the_thread_lane(switch_run, tmp_path, monkeypatch):
     """The same forced switches, decided in the generation process on the loads it receives while
     it samples: the same sealed experience and weights as the thread lane's run."""
-    from tests.helpers_partial import HeldRollout
     from tests.test_pipeline import _files
     monkeypatch.setattr(trainer_setup, "Rollout", HeldRollout)
     summary, run = _train(tmp_path, "sw", *SWITCH, "rollout.temperature=1.5", "actor.lr=1e-2", "rollout.lane=process")
@@ -304,7 +302,7 @@ def test_replay_of_the_recorded_switches_in_the_generation_process(switch_run, t
 def test_a_lora_switch_run_switches_audits_and_replays_bitwise(tmp_path, monkeypatch):
     """With LoRA each version is base + adapter, merged in the rollout: the switch, the per-token
     log-probs (the consuming actor's own after it, within 1e-5) and the replay hold the same."""
-    monkeypatch.setattr(partial_module, "live_switch", _forced)
+    monkeypatch.setattr(trainer_setup, "Rollout", HeldRollout)
     summary, run = _train(tmp_path, "sw", *SWITCH, "rollout.temperature=1.5", "actor.lr=1e-2", "actor.lora.rank=4")
     monkeypatch.undo()
     assert audit_run(run).ok

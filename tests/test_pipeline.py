@@ -18,8 +18,8 @@ from sealrl.config import ConfigError, build_config, check_config
 from sealrl.experience.ids import PolicyVersion
 from sealrl.experience.records import StopReason
 from sealrl.experience.store import read_iteration
+from sealrl.experience.wire import RolloutSample
 from sealrl.roles.rollout import Rollout
-from sealrl.rollout.engine import RolloutSample
 from sealrl.trainer import driver as driver_module
 from sealrl.trainer import pipeline as pipeline_module
 from sealrl.trainer.driver import train
@@ -221,8 +221,8 @@ def test_guard_admits_experience_of_the_last_k_plus_one_versions(k, ok):
 
 def test_the_rollout_serves_a_retained_version_after_a_publication(tiny_model_dir):
     from sealrl.experience import SamplingContract
+    from sealrl.experience.wire import GenerationRequest, VersionNotHeldError
     from sealrl.models.hf import load_causal_lm
-    from sealrl.rollout.engine import GenerationRequest, VersionNotHeldError
     from sealrl.sync.manifest import build_manifest
     model, tok = load_causal_lm(tiny_model_dir)
     rollout = Rollout(model, tok)

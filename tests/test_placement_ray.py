@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from sealrl.experience import MissingResultsError, SamplingContract
+from sealrl.experience.wire import GenerationRequest, VersionNotHeldError
 from sealrl.models.hf import model_config_hash, tokenizer_hash
 from sealrl.models.tiny import build_tiny_model
 from sealrl.placement.dispatch import generate_by_id
 from sealrl.placement.workers import LocalWorkerGroup, WorkerError, pools_from_config
 from sealrl.roles.rollout import Rollout
-from sealrl.rollout import GenerationRequest, VersionNotHeldError
 from sealrl.sync.manifest import WeightSyncError, build_manifest
 
 

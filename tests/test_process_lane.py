@@ -15,9 +15,9 @@ import pytest
 from sealrl.audit import audit_run
 from sealrl.config import ConfigError, build_config, check_config
 from sealrl.experience import SamplingContract
+from sealrl.experience.wire import GenerationRequest
 from sealrl.placement.process_rollout import GenerationProcessError, ProcessRollout
 from sealrl.roles.rollout import Rollout
-from sealrl.rollout.engine import GenerationRequest
 from sealrl.sync.manifest import WeightSyncError, build_manifest
 from sealrl.trainer import driver as driver_module
 from sealrl.trainer import pipeline as pipeline_module
@@ -191,5 +191,10 @@ def test_a_role_that_cannot_be_built_there_is_raised_here_and_the_process_is_gon
 def test_config_names_the_lane():
     with pytest.raises(ConfigError, match="rollout.lane"):
         build_config(None, ["rollout.lane=ray"])
-    with pytest.raises(ConfigError, match="rollout.lane=process with LoRA"):
-        check_config(build_config(None, ["rollout.lane=process", "actor.lora.rank=4"]))
+    lane = ["rollout.lane=process", "rollout.max_staleness=1", "algorithm.correction=token_is"]
+    with pytest.raises(ConfigError, match=r"^actor.lora.rank=4 needs a rollout that can load LoRA adapters on a "
+                                          r"pinned base \(lora_adapters\); rollout.lane=process selects the generation "
+                                          r"process \(placement/process_rollout.py\), which cannot$"):
+        check_config(build_config(None, [*lane, "actor.lora.rank=4"]))
+    # at max_staleness 0 there is no generation lane: the in-process engine generates, with LoRA
+    check_config(build_config(None, ["rollout.lane=process", "actor.lora.rank=4"]))

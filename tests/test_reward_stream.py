@@ -14,10 +14,10 @@ import pytest
 from sealrl.config import ConfigError, build_config, check_config
 from sealrl.experience.records import SamplingContract, StopReason
 from sealrl.experience.store import read_iteration
+from sealrl.experience.wire import GenerationRequest
 from sealrl.models.tiny import build_tiny_model
 from sealrl.rewards.base import RewardSample
 from sealrl.rewards.pool import RewardPool
-from sealrl.rollout import GenerationRequest
 from sealrl.trainer.driver import train
 from sealrl.trainer.streaming import EarlyScores
 from tests.test_rewards_pool import Misbehave
@@ -136,7 +136,7 @@ class _Run:
 
 def _rollout_sample(candidate: int, ids: tuple, reason=StopReason.EOS):
     from sealrl.experience.ids import PolicyVersion
-    from sealrl.rollout.engine import RolloutSample
+    from sealrl.experience.wire import RolloutSample
     return RolloutSample(f"r/0/p/{candidate}", "r/0/p", candidate, (1,), ids, (0.0,) * len(ids), None, reason,
                          PolicyVersion("r", 0, 0, "h"), 7)
 
@@ -220,10 +220,11 @@ def test_streamed_run_is_bitwise_the_unstreamed_run(tmp_path, monkeypatch, polic
 def test_stream_config_is_checked():
     with pytest.raises(ConfigError, match="reward.stream needs reward.num_scorers >= 1"):
         check_config(build_config(None, ["reward.stream=true"]))
-    with pytest.raises(ConfigError, match="rollout.lane=process"):
+    with pytest.raises(ConfigError, match="^reward.stream=true needs a rollout that can stream finished rows "
+                                          r"\(streams_finished_rows\); rollout.lane=process selects the generation"):
         check_config(build_config(None, ["reward.stream=true", "reward.num_scorers=1", "rollout.max_staleness=1",
                                          "rollout.lane=process", "algorithm.correction=token_is"]))
-    with pytest.raises(ConfigError, match="rollout.partial=switch with reward.stream"):
+    with pytest.raises(ConfigError, match="^reward.stream=true needs .*; rollout.partial=switch selects the switching"):
         check_config(build_config(None, ["reward.stream=true", "reward.num_scorers=1", "rollout.max_staleness=1",
                                          "rollout.partial=switch", "algorithm.correction=token_is"]))
     check_config(build_config(None, ["reward.stream=true", "reward.num_scorers=1"]))

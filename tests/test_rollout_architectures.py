@@ -20,10 +20,11 @@ from transformers import (
 )
 
 from sealrl.experience.records import SamplingContract
+from sealrl.experience.wire import GenerationRequest
 from sealrl.models.hf import model_config_hash, tokenizer_hash
 from sealrl.models.logprobs import response_log_probs
 from sealrl.models.tiny import build_char_tokenizer
-from sealrl.rollout import GenerationRequest, RolloutEngine
+from sealrl.rollout import RolloutEngine
 from sealrl.rollout.backends import LeanBackend, weightless_template
 from sealrl.sync.manifest import build_manifest
 

@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from sealrl.experience.records import SamplingContract, StopReason
+from sealrl.experience.wire import GenerationRequest
 from sealrl.models.hf import model_config_hash, tokenizer_hash
 from sealrl.models.logprobs import pad_batch, response_log_probs
 from sealrl.models.tiny import build_tiny_model
-from sealrl.rollout import GenerationRequest, RolloutEngine
+from sealrl.rollout import RolloutEngine
 from sealrl.sync.manifest import build_manifest
 
 ANSWERS = {"07+45=": "25", "12+30=": "24"}  # the arithmetic task's reversed-answer format
@@ -143,7 +144,7 @@ def test_stop_reasons(trained):
 
 
 def record_decode_batches(engine) -> list[int]:
-    backend, sizes = engine._active.backend, []
+    backend, sizes = engine.versions.active.held, []
     decode = backend.decode
     backend.decode = lambda cache, ids, *a: (sizes.append(ids.shape[0]), decode(cache, ids, *a))[1]
     return sizes

@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from sealrl.experience.records import SamplingContract
+from sealrl.experience.wire import GenerationRequest
 from sealrl.models.hf import model_config_hash, tokenizer_hash
 from sealrl.models.logprobs import response_log_probs
 from sealrl.models.tiny import build_tiny_model
-from sealrl.rollout import GenerationRequest, RolloutEngine
+from sealrl.rollout import RolloutEngine
 from sealrl.sync.manifest import build_manifest
 
 pytestmark = [pytest.mark.gpu,

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from sealrl.experience.records import SamplingContract
+from sealrl.experience.wire import GenerationRequest
 from sealrl.models.hf import model_config_hash, tokenizer_hash
 from sealrl.models.logprobs import response_log_probs
 from sealrl.models.synthetic import build_mid
-from sealrl.rollout import GenerationRequest, RolloutEngine
+from sealrl.rollout import RolloutEngine
 from sealrl.rollout.sampling import filter_logits, nucleus_drop
 from sealrl.sync.manifest import WeightSyncError, build_manifest, in_dtype, verify_weights
 

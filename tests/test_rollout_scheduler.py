@@ -7,8 +7,9 @@ import pytest
 
 from sealrl.config import build_config
 from sealrl.experience.records import SamplingContract, StopReason
+from sealrl.experience.wire import GenerationRequest
 from sealrl.models.tiny import build_tiny_model
-from sealrl.rollout import GenerationRequest, scheduler
+from sealrl.rollout import scheduler
 from sealrl.rollout.scheduler import waves
 from tests.test_rollout_engine import encode, make_engine
 

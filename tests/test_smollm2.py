@@ -11,9 +11,10 @@ import torch
 from sealrl.config import load_config
 from sealrl.data.dataset import load_prompts, write_parquet
 from sealrl.experience.records import SamplingContract
+from sealrl.experience.wire import GenerationRequest
 from sealrl.models.hf import load_causal_lm, model_config_hash, tokenizer_hash
 from sealrl.models.logprobs import response_log_probs
-from sealrl.rollout import GenerationRequest, RolloutEngine
+from sealrl.rollout import RolloutEngine
 from sealrl.sync.manifest import build_manifest
 
 ROOT = Path(__file__).resolve().parents[1]

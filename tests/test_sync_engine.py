@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from sealrl.experience.records import SamplingContract
+from sealrl.experience.wire import GenerationRequest, VersionNotHeldError
 from sealrl.models.hf import TokenizerMismatchError, model_config_hash, tokenizer_hash
 from sealrl.models.tiny import build_tiny_model
-from sealrl.rollout import GenerationRequest, RolloutEngine, VersionNotHeldError
+from sealrl.rollout import RolloutEngine
 from sealrl.sync.manifest import WeightSyncError, build_manifest
 
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from sealrl.experience import MissingResultsError
+from sealrl.experience.wire import VersionNotHeldError
 from sealrl.models.hf import model_config_hash, tokenizer_hash
 from sealrl.models.tiny import build_tiny_model
 from sealrl.placement.rollout_pool import RolloutPool
 from sealrl.placement.workers import LocalWorkerGroup, RemoteCallError, WorkerError
 from sealrl.roles.rollout import Rollout
-from sealrl.rollout import VersionNotHeldError
 from sealrl.sync.manifest import WeightSyncError, build_manifest
 from tests.helpers_replicas import CorruptedTransfer
 

@@ -9,11 +9,11 @@ from sealrl.data.dataset import prompts_from_rows
 from sealrl.data.tasks import make_task
 from sealrl.envs import make_env
 from sealrl.experience.records import SamplingContract
+from sealrl.experience.wire import GenerationRequest, env_input
 from sealrl.models.hf import load_causal_lm, model_config_hash, tokenizer_hash
 from sealrl.models.tiny import build_tiny_model
 from sealrl.rollout import RolloutEngine
-from sealrl.rollout.engine import GenerationRequest
-from sealrl.rollout.episodes import EpisodeRunner, EpisodeSpec, env_input
+from sealrl.rollout.episodes import EpisodeRunner, EpisodeSpec
 from sealrl.rollout.turns import TurnCache
 from sealrl.sync.manifest import build_manifest
 from tests.test_episodes import DigitEnv

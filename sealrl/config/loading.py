@@ -15,6 +15,7 @@ from typing import Any, get_type_hints
 import yaml
 
 from sealrl.config.sections import Config, ConfigError, _check, relative_note
+from sealrl.seams import rollout as rollout_seam
 
 
 def resumable_keys() -> frozenset[tuple[str, str]]:
@@ -108,7 +109,9 @@ def build_config(raw: dict[str, Any] | None = None, overrides: list[str] | tuple
 
 def check_config(cfg: Config) -> None:
     """Rules across sections, checked for a whole run (load_config, trainer.inputs.check_inputs)
-    rather than at construction: unit tests build configs for one role without a consistent run."""
+    rather than at construction: unit tests build configs for one role without a consistent run.
+    What the rollout can do is not a rule here: the config selects a rollout client and its
+    declared capabilities (seams/rollout.py) refuse what it cannot serve."""
     batch = cfg.data.prompts_per_iter * cfg.rollout.n
     for key, mini in (("actor.mini_batch_size", cfg.actor.mini_batch_size),
                       ("critic.mini_batch_size", max(0, cfg.critic.mini_batch_size))):
@@ -139,33 +142,14 @@ def check_config(cfg: Config) -> None:
     if cfg.rollout.max_staleness and (cfg.algorithm.dynamic_sampling or cfg.algorithm.name == "remax"):
         raise ConfigError("rollout.max_staleness > 0 with algorithm.dynamic_sampling or algorithm.name=remax is not "
                           "built yet (their extra rounds sample in the training lane)", "rollout.max_staleness")
-    if cfg.rollout.max_staleness and cfg.placement.backend != "local":
-        raise ConfigError("rollout.max_staleness > 0 needs placement.backend=local (the rollout retains the "
-                          "versions generation may still use; a Ray replica pool does not yet)", "placement.backend")
-    if cfg.rollout.partial == "switch":   # partial rollouts (rollout/switching.py, docs/async.md)
-        _check_switch(cfg)
-    if cfg.reward.stream and (not cfg.reward.num_scorers or cfg.placement.backend != "local" or
-                              (cfg.rollout.max_staleness and cfg.rollout.lane == "process")):   # trainer/streaming.py
+    if cfg.rollout.partial == "switch" and not cfg.rollout.max_staleness:   # rollout/switching.py, docs/async.md
+        raise ConfigError("rollout.partial=switch needs rollout.max_staleness >= 1 (at 0 nothing is published while "
+                          "generating)", "rollout.partial")
+    if cfg.reward.stream and not cfg.reward.num_scorers:   # trainer/streaming.py
         raise ConfigError("reward.stream needs reward.num_scorers >= 1 (inline scoring would run between decode "
-                          "steps: nothing overlaps) and generation in this process (placement.backend=local, not "
-                          f"rollout.lane=process); got num_scorers={cfg.reward.num_scorers}, placement.backend="
-                          f"{cfg.placement.backend}, rollout.lane={cfg.rollout.lane}", "reward.stream")
-    if cfg.rollout.partial == "switch" and (cfg.reward.stream or cfg.rollout.max_rows):   # rollout/switching.py
-        raise ConfigError("rollout.partial=switch with reward.stream or rollout.max_rows is not built yet (its "
-                          "segments neither hand finished rows on nor bound the rows)", "rollout.partial")
-    if cfg.rollout.lane == "process" and (cfg.actor.lora.rank or cfg.critic.lora.rank):   # placement/process_rollout.py
-        raise ConfigError("rollout.lane=process with LoRA is not built yet (the process would need the pinned base)",
-                          "rollout.lane")
-
-
-def _check_switch(cfg: Config) -> None:
-    """rollout.partial=switch: only where partial rollouts are built and tested."""
-    refused = [(not cfg.rollout.max_staleness, "needs rollout.max_staleness >= 1 (at 0 nothing is published "
-                                               "while generating)"),
-               (cfg.env.name != "none", "is not built for multi-turn episodes (env.name) yet")]
-    for bad, why in refused:
-        if bad:
-            raise ConfigError(f"rollout.partial=switch {why}", "rollout.partial")
+                          f"steps: nothing overlaps), got {cfg.reward.num_scorers}", "reward.stream")
+    for key, reason in rollout_seam.refusals(cfg):   # what the selected rollout client cannot do
+        raise ConfigError(reason, key)
 
 
 def _yaml_error(path: str, e: yaml.YAMLError) -> ConfigError:

@@ -25,8 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 from sealrl.experience import Join, PolicyVersion, SamplingContract, sample_id, split_ids
+from sealrl.experience.wire import GenerationRequest, RolloutSample
 from sealrl.placement.workers import WorkerError, WorkerGroup
-from sealrl.rollout.engine import GenerationRequest, RolloutSample
 from sealrl.sync.manifest import WeightManifest
 
 
@@ -111,11 +111,13 @@ def activate_all(group: WorkerGroup, version: PolicyVersion, timeout_s: float | 
     return version
 
 
-def replace_replica(group, k: int, active: tuple[Any, WeightManifest] | None,
+def replace_replica(group, k: int, held: list[tuple[Any, WeightManifest]], retain: int = 1,
                     timeout_s: float | None = None) -> None:
-    """A fresh replica k (group.restart: Ray groups) brought to the active version with a
-    verified load (stage + activate) of the shared state, before it serves anything."""
+    """A fresh replica k (group.restart: Ray groups) brought to the versions the others hold:
+    it retains `retain` and loads each of `held` (shared state, manifest), oldest first, with a
+    verified load (stage + activate), before it serves anything."""
     group.restart(k, timeout_s=timeout_s)
-    if active is not None:
-        shared, manifest = active
+    if retain > 1:
+        group.map_shards("retain", {k: (retain,)}, timeout_s=timeout_s)
+    for shared, manifest in held:
         group.map_shards("load", {k: (shared, manifest)}, timeout_s=timeout_s)

@@ -1,5 +1,5 @@
-"""The rollout role in its own process, behind the Rollout interface the driver uses
-(`version`, `backend`, `load`, `generate`, `retain`): the generation lane of an asynchronous
+"""The rollout role in its own process, a client of the rollout seam (seams/rollout.py; its
+capabilities are CLIENTS["process"]): the generation lane of an asynchronous
 run (rollout.lane=process, trainer/pipeline.py) samples there while the actor trains here, each
 process with its own torch threads and its own GIL.
 
@@ -38,6 +38,7 @@ import torch.multiprocessing as mp
 
 from sealrl.experience import PolicyVersion
 from sealrl.placement.workers import RemoteCallError
+from sealrl.seams.rollout import CLIENTS, MissingCapability
 
 
 class GenerationProcessError(RuntimeError):
@@ -47,6 +48,8 @@ class GenerationProcessError(RuntimeError):
 class ProcessRollout:
     """A rollout role built by `factory` (picklable: e.g. functools.partial(Rollout, model,
     tokenizer)) in a spawned process that runs `threads` torch threads and serves `retain` versions."""
+
+    capabilities = CLIENTS["process"].capabilities
 
     def __init__(self, factory, threads: int, retain: int = 1, timeout_s: float = 300.0) -> None:
         self.timeout_s = timeout_s
@@ -70,13 +73,23 @@ class ProcessRollout:
             self.close()
             raise
 
-    # ---- the Rollout interface ------------------------------------------------------------
-    def generate(self, requests, contract, version):
+    # ---- the rollout client (seams/rollout.py) ------------------------------------------------
+    def generate(self, requests, contract, version, stream=None):
+        if stream is not None:   # the pipes carry answers, not a stream of finished rows
+            raise MissingCapability(self, "streams_finished_rows")
         return self._call("generate", requests, contract, version)
 
-    def generate_switching(self, requests, contract, version, plan=None):
-        """rollout.partial=switch: the switch happens there, on the loads it receives meanwhile."""
+    def generate_switching(self, requests, contract, version, plan=None, resolve=None):
+        """rollout.partial=switch: the switch happens there, on the loads it receives meanwhile;
+        a replay's `plan` names the recorded versions themselves, waited for there (`resolve`,
+        a function of this process, cannot cross)."""
+        if resolve is not None:
+            raise ValueError("generate_switching in the generation process: the plan's keys must be the "
+                             "versions themselves (a resolve function cannot cross processes)")
         return self._call("generate_switching", requests, contract, version, plan)
+
+    def pin_base(self, state, manifest) -> str:
+        raise MissingCapability(self, "lora_adapters")   # the pinned base is not sent to the process
 
     def retain(self, versions: int) -> None:
         self._call("retain", versions)
@@ -185,8 +198,7 @@ def _serve(factory: bytes, threads: int, retain: int, calls: Connection, weights
     try:
         _loop(calls, lambda method, args: getattr(role, method)(*args))
     finally:
-        if role.episodes is not None:   # its tool worker
-            role.episodes.close()
+        role.close()   # its episodes' tool worker
     os._exit(0)   # every answer is sent: skip the interpreter's slow teardown (the loader thread, torch)
 
 

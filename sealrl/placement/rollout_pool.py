@@ -1,6 +1,7 @@
-"""A rollout role over a group of replicas, with the Rollout interface the driver uses
-(`version`, `load`, `generate`), so the driver loop is the same for one in-process worker,
-a local group or a Ray pool (standalone or colocated).
+"""A rollout role over a group of replicas, a client of the rollout seam (seams/rollout.py;
+its capabilities are CLIENTS["ray_pool"]), so the driver loop is the same for one in-process
+worker, a local group or a Ray pool (standalone or colocated). Each replica is a
+RolloutReplica (roles/rollout.Rollout in a worker).
 
 - load(state, manifest): two phases (dispatch.stage_all, dispatch.activate_all): every
   replica stages and verifies the manifest, and only if all verified do they all switch;
@@ -16,8 +17,9 @@ a local group or a Ray pool (standalone or colocated).
 - `history` records, in order, every load and generate call with its version, and every
   replacement; `served` records, per generate call, which replica served which sample id.
 
-The pool keeps the shared state of the active version (one copy; in Ray's object store) so a
-replacement replica can be brought to it without the actor.
+The pool keeps the shared state of the versions its replicas hold (the active one, and with
+retain(k) the last k loaded; one copy each, in Ray's object store) so a replacement replica can
+be brought to all of them, verified, without the actor.
 """
 from __future__ import annotations
 
@@ -25,20 +27,26 @@ import time
 from typing import Any
 
 from sealrl.experience import PolicyVersion, SamplingContract
+from sealrl.experience.wire import GenerationRequest, RolloutSample
 from sealrl.placement.dispatch import ReplicaVersionError, activate_all, generate_by_id, replace_replica, stage_all
 from sealrl.placement.workers import WorkerGroup
-from sealrl.rollout.engine import GenerationRequest, RolloutSample
+from sealrl.seams.rollout import CLIENTS, MissingCapability
 from sealrl.sync.manifest import WeightManifest
+from sealrl.sync.versions import VersionSlots
 
 
 class RolloutPool:
+    capabilities = CLIENTS["ray_pool"].capabilities
+
     def __init__(self, group: WorkerGroup, timeout_s: float | None = None, max_replacements: int = 1) -> None:
         self.group, self.timeout_s, self.max_replacements = group, timeout_s, max_replacements
         self.served: list[dict] = []   # one entry per generate call
         self.history: list[tuple[str, str]] = []   # ("load" | "generate" | "replace k", version id)
         self.recoveries: list[float] = []          # seconds each replacement took, since the last take
         self.join_counts: dict[str, float] = {}
-        self._active: tuple[Any, WeightManifest] | None = None   # (shared state, manifest) every replica serves
+        self._retain = 1
+        # (shared state, manifest) of the versions every replica holds: the pool's own slots (sync/versions.py)
+        self.versions: VersionSlots[tuple[Any, WeightManifest]] = VersionSlots()
 
     @property
     def version(self) -> PolicyVersion | None:
@@ -62,19 +70,23 @@ class RolloutPool:
             for k in sorted(k for k, e in failed.items() if e.lost):
                 self._replace(k)  # back to the version the others still serve
             raise failed[min(failed)]
-        self._active = (shared, manifest)  # every replica verified v: the commit point
+        # every replica verified v: the commit point (a replica replaced from here on loads v)
+        self.versions.activate(self.versions.stage(manifest.version, lambda: (shared, manifest)))
         activate_all(self.group, manifest.version, self.timeout_s, replace=self._replace)
         self.history.append(("load", manifest.version.id))
         return manifest.version
 
     def _replace(self, k: int) -> None:
         t0 = time.perf_counter()
-        replace_replica(self.group, k, self._active, self.timeout_s)
+        held = [snap.held for snap in self.versions.held()]
+        replace_replica(self.group, k, held, self._retain, self.timeout_s)
         self.recoveries.append(time.perf_counter() - t0)
-        self.history.append((f"replace {k}", self._active[1].version.id if self._active else ""))
+        self.history.append((f"replace {k}", held[-1][1].version.id if held else ""))
 
     def generate(self, requests: list[GenerationRequest], contract: SamplingContract,
-                 version: PolicyVersion) -> list[RolloutSample]:
+                 version: PolicyVersion, stream=None) -> list[RolloutSample]:
+        if stream is not None:   # replicas answer whole shards
+            raise MissingCapability(self, "streams_finished_rows")
         if not requests:
             return []
         self.history.append(("generate", version.id))
@@ -85,6 +97,19 @@ class RolloutPool:
         for k, v in metrics.items():
             self.join_counts[k] = self.join_counts.get(k, 0.0) + v
         return samples
+
+    def generate_switching(self, requests, contract, version, plan=None, resolve=None) -> list[RolloutSample]:
+        raise MissingCapability(self, "switches_versions")
+
+    def retain(self, versions: int) -> None:
+        """Every replica keeps serving the last `versions` loaded versions (1 = only the active
+        one); a replacement replica is brought to each of them."""
+        self.versions.retain(versions)   # refuses versions < 1 before any replica is asked
+        self.group.call("retain", versions, timeout_s=self.timeout_s)
+        self._retain = versions
+
+    def pin_base(self, state, manifest) -> str:
+        raise MissingCapability(self, "lora_adapters")   # adapter-only sync to replicas is not built
 
     def take_recoveries(self) -> list[float]:
         """Seconds each replica replacement took (start a fresh one, load the active version

@@ -3,9 +3,9 @@ per-call deadline. Its own errors become status error/timeout records, never a s
 from __future__ import annotations
 
 from sealrl.experience import RewardRecord
+from sealrl.experience.wire import RolloutSample
 from sealrl.rewards.base import RewardSample
 from sealrl.rewards.pool import RewardPool
-from sealrl.rollout.engine import RolloutSample
 
 
 class Reward:

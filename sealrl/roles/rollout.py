@@ -3,20 +3,25 @@ log-probs and stop reasons. It owns inference weights and never holds an optimiz
 
 Weights arrive in two phases so that a pool of replicas switches together (DESIGN section 5):
 `stage` verifies every checksum and keeps the copy aside, `activate` switches to it; `load`
-does both for a single replica."""
+does both for a single replica. The role is the in-process client of the rollout seam
+(seams/rollout.py: RolloutReplica) and declares all its capabilities."""
 from __future__ import annotations
 
 import torch
 
 from sealrl.experience import PolicyVersion, SamplingContract
+from sealrl.experience.wire import GenerationRequest, RolloutSample
 from sealrl.models.precision import resolve_device
 from sealrl.rollout import switching
-from sealrl.rollout.engine import GenerationRequest, RolloutEngine, RolloutSample
+from sealrl.rollout.engine import RolloutEngine
 from sealrl.rollout.episodes import EpisodeRunner, EpisodeSpec
+from sealrl.seams.rollout import CLIENTS
 from sealrl.sync.manifest import WeightManifest
 
 
 class Rollout:
+    capabilities = CLIENTS["engine"].capabilities
+
     def __init__(self, model, tokenizer, device: str = "cpu", episodes: EpisodeSpec | None = None,
                  rows: tuple[int, bool] = (0, False)):
         """`device`: auto | cpu | cuda, where the engine's weights live and it samples (resolved
@@ -73,12 +78,15 @@ class Rollout:
         return self.engine.generate(requests, contract, version, stream=stream)
 
     def generate_switching(self, requests: list[GenerationRequest], contract: SamplingContract,
-                           version: PolicyVersion, plan: dict | None = None) -> list[RolloutSample]:
+                           version: PolicyVersion, plan: dict | None = None, resolve=None) -> list[RolloutSample]:
         """rollout.partial=switch: GENERATING(version), the running rows moving to a version
         activated meanwhile (plan None), or at a replay's recorded tokens (plan: first token ->
-        PolicyVersion, waited for until it is loaded here): rollout/switching.py."""
-        switch = switching.live_switch(self.engine) if plan is None else \
-            switching.planned(plan, lambda v: switching.wait_held(self.engine, v))
+        key; `resolve(key)` the version, else the key is the version, waited for until it is
+        loaded here): rollout/switching.py."""
+        if plan is None:
+            switch = switching.live_switch(self.engine)
+        else:
+            switch = switching.planned(plan, resolve or (lambda v: switching.wait_held(self.engine, v)))
         return switching.generate_switching(self.engine, requests, contract, version, switch)
 
     def take_recoveries(self) -> list[float]:
@@ -88,3 +96,8 @@ class Rollout:
     def take_served(self) -> list[dict]:
         """Who served which sample id (a replica pool's record): here, always this process."""
         return []
+
+    def close(self) -> None:
+        """Stop the episodes' tool worker, if any."""
+        if self.episodes is not None:
+            self.episodes.close()

@@ -3,9 +3,10 @@
 What it consumes: weights + a WeightManifest (stage, then activate; load_weights does both),
 then generation requests for the version it holds. What it guarantees:
 
-- it serves exactly one version at a time; weights are staged as a private copy, verified
-  tensor by tensor against the manifest, and only then swapped in with one assignment, so a
-  failed load leaves the previous version serving. Staging and activation are separate calls
+- it serves exactly one version at a time (or the last k with retain(k)); weights are staged as
+  a private copy, verified tensor by tensor against the manifest, and only then swapped in with
+  one assignment, so a failed load leaves the previous version serving (the mechanism is
+  sync/versions.py, shared by every rollout client). Staging and activation are separate calls
   so that a pool of replicas activates only once every replica has verified (two phases,
   placement/rollout_pool.RolloutPool.load). KV caches live inside one generate call
   and are bound to the version that call started with: nothing cached survives a swap (an
@@ -31,14 +32,13 @@ import itertools
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from sealrl.experience.episode import EpisodeRecord
 from sealrl.experience.ids import PolicyVersion, sample_id
-from sealrl.experience.records import SamplingContract, StopReason
+from sealrl.experience.records import SamplingContract
+from sealrl.experience.wire import GenerationRequest, RolloutSample
 from sealrl.models.hf import check_same_tokenizer, model_config_hash, tokenizer_hash
 from sealrl.rollout.backends import HFBackend, LeanBackend, make_backend, weightless_template
 from sealrl.rollout.lean import lean_unsupported_reason
@@ -47,64 +47,9 @@ from sealrl.rollout.sampling import candidate_seed
 from sealrl.rollout.scheduler import continuous, run_waves
 from sealrl.rollout.stops import StopChecker
 from sealrl.rollout.turns import TurnCache
-from sealrl.sync.adapter import AdapterManifest, merge_adapter, verify_adapter
-from sealrl.sync.manifest import WeightManifest, WeightSyncError, verify_weights
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """One prompt's group, or the subset of its candidates a retry regenerates."""
-
-    group_id: str                 # run/iter/prompt
-    prompt_ids: tuple[int, ...]
-    seed: int                     # per-request seed
-    candidates: tuple[int, ...]   # which candidates of the group to sample
-    env_input: str = ""           # multi-turn: JSON of the row an environment starts from (episodes.py)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
-        object.__setattr__(self, "candidates", tuple(int(c) for c in self.candidates))
-        if not self.prompt_ids:
-            raise ValueError(f"request {self.group_id}: prompt_ids is empty")
-        if not self.candidates or len(set(self.candidates)) != len(self.candidates):
-            raise ValueError(f"request {self.group_id}: candidates must be non-empty and unique, "
-                             f"got {self.candidates}")
-        if min(self.candidates) < 0:
-            raise ValueError(f"request {self.group_id}: negative candidate in {self.candidates}")
-
-
-@dataclass(frozen=True)
-class RolloutSample:
-    """One sampled response with the facts the rollout role owns (DESIGN section 3)."""
-
-    sample_id: str
-    group_id: str
-    candidate: int
-    prompt_ids: tuple[int, ...]
-    response_ids: tuple[int, ...]
-    rollout_log_probs: tuple[float, ...]          # log_softmax(logits / T), unfiltered
-    filtered_log_probs: tuple[float, ...] | None  # under the top-k/top-p distribution sampled
-    stop_reason: StopReason
-    policy_version: PolicyVersion
-    seed: int                                     # the per-candidate seed actually used
-    # Seconds from the start of the generate call to the end of the decode step this sample
-    # stopped at (eos, stop or length). A measurement, not a fact: no part of equality, of
-    # the sealed record or of any digest.
-    finish_s: float = field(default=0.0, compare=False)
-    episode: EpisodeRecord | None = None          # multi-turn: the turns (rollout/episodes.py)
-    # Partial rollouts (rollout/switching.py): (first response token, PolicyVersion) of each run
-    # of tokens one version sampled, the first at 0 by policy_version; () = all by policy_version.
-    segments: tuple = ()
-
-
-class VersionNotHeldError(RuntimeError):
-    """generate() was asked for a version this replica does not serve."""
-
-
-@dataclass(frozen=True)
-class _Snapshot:
-    version: PolicyVersion
-    backend: LeanBackend | HFBackend
+from sealrl.sync.adapter import AdapterManifest
+from sealrl.sync.manifest import WeightManifest, WeightSyncError
+from sealrl.sync.versions import Snapshot, VersionSlots, verified_adapter, verified_copy
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:
@@ -135,50 +80,42 @@ class RolloutEngine:
         if prefer_lean and (reason := lean_unsupported_reason(model.config)) is not None:
             print(f"sealrl: rollout runs {type(model).__name__} on the HF forward, not the lean one "
                   f"({reason}); same numbers, slower decoding", file=sys.stderr, flush=True)
-        self._active: _Snapshot | None = None
-        self._staged: _Snapshot | None = None   # verified, not yet active
+        self.versions: VersionSlots[LeanBackend | HFBackend] = VersionSlots()   # active, staged, retained
         self._base: tuple[str, dict[str, Tensor]] | None = None   # LoRA: (hash, weights) of the pinned base
-        self._retired: list[_Snapshot] = []     # earlier active versions still served (retain)
-        self._retain = 1
         self.max_rows, self.continuous = 0, False   # rollout.max_rows / continuous_batching (scheduler.py)
 
     def retain(self, versions: int) -> None:
         """Keep serving the last `versions` activated versions (1 = only the active one): an
         asynchronous pipeline generates with a version up to rollout.max_staleness activations
         behind the newest. Each retained version holds its own weight copy."""
-        if versions < 1:
-            raise ValueError(f"retain: versions must be >= 1, got {versions}")
-        self._retain = versions
-        self._retired = self._retired[len(self._retired) - (versions - 1):] if versions > 1 else []
+        self.versions.retain(versions)
 
     @property
     def active_version(self) -> PolicyVersion | None:
-        snap = self._active
-        return None if snap is None else snap.version
+        return self.versions.active_version
 
     @property
     def backend_name(self) -> str:
-        snap = self._active
-        return "none" if snap is None else type(snap.backend).__name__
+        snap = self.versions.active
+        return "none" if snap is None else type(snap.held).__name__
 
     @property
     def backend(self) -> tuple[str, str]:
         """(backend_name, dtype of its weights), e.g. ("LeanBackend", "float32"): what sampled."""
-        snap = self._active
+        snap = self.versions.active
         return ("none", "none") if snap is None else \
-            (self.backend_name, str(snap.backend.dtype).removeprefix("torch."))
+            (type(snap.held).__name__, str(snap.held.dtype).removeprefix("torch."))
 
     @property
     def staged_version(self) -> PolicyVersion | None:
-        snap = self._staged
-        return None if snap is None else snap.version
+        return self.versions.staged_version
 
     def pin_base(self, state_dict: Mapping[str, Tensor], manifest: WeightManifest) -> str:
         """LoRA: keep the frozen base, verified like a full version, that every later adapter
         version (AdapterManifest) is merged into; returns its hash. Activates nothing."""
         self._base = None
         self._check_version(manifest.version)
-        self._base = (manifest.version.weights_hash, self._verified(state_dict, manifest))
+        self._base = (manifest.version.weights_hash, verified_copy(state_dict, manifest, self._expected))
         return self._base[0]
 
     def stage(self, state_dict: Mapping[str, Tensor], manifest: WeightManifest | AdapterManifest,
@@ -187,18 +124,14 @@ class RolloutEngine:
         backend, and keep it staged; the active version is unchanged. A later stage replaces
         an earlier staged copy. Raises WeightSyncError (or TokenizerMismatchError) naming the
         tensor, and then holds nothing staged."""
-        self._staged = None
-        version = manifest.version
-        self._check_version(version)
-        if isinstance(manifest, AdapterManifest):   # LoRA: merged into a copy of the pinned base
-            staged = _stage(state_dict)
-            base_hash, base = self._base or (None, {})
-            verify_adapter(staged, manifest, base_hash, {n: tuple(t.shape) for n, t in base.items()})
-            staged = merge_adapter(base, staged, manifest.scaling)
-        else:
-            staged = self._verified(state_dict, manifest)
-        self._staged = _Snapshot(version, make_backend(staged, self._template, self.device, self._prefer_lean))
-        return version
+        def build() -> LeanBackend | HFBackend:
+            self._check_version(manifest.version)
+            if isinstance(manifest, AdapterManifest):   # LoRA: merged into a copy of the pinned base
+                staged = verified_adapter(state_dict, manifest, self._base)
+            else:
+                staged = verified_copy(state_dict, manifest, self._expected)
+            return make_backend(staged, self._template, self.device, self._prefer_lean)
+        return self.versions.stage(manifest.version, build)
 
     def _check_version(self, version: PolicyVersion) -> None:
         if version.tokenizer_hash:
@@ -207,51 +140,24 @@ class RolloutEngine:
         if version.model_config_hash and version.model_config_hash != self.model_config_hash:
             raise WeightSyncError("<config>", f"version {version} is for another architecture")
 
-    def _verified(self, state_dict: Mapping[str, Tensor], manifest: WeightManifest) -> dict[str, Tensor]:
-        """A private copy of full weights, every checksum verified and every tensor fitting the model."""
-        staged = _stage(state_dict)
-        verify_weights(staged, manifest)
-        for name, shape in self._expected.items():  # the manifest must fit this architecture
-            if name not in staged:
-                raise WeightSyncError(name, "needed by the rollout model, absent from the manifest")
-            if tuple(staged[name].shape) != shape:
-                raise WeightSyncError(name, f"shape {tuple(staged[name].shape)} != model {shape}")
-        for name in staged.keys() - self._expected.keys():
-            raise WeightSyncError(name, "not a tensor of the rollout model")
-        return staged
-
     def activate(self, version: PolicyVersion) -> PolicyVersion:
         """ROLLOUT_READY(v): switch to the staged `version` with one reference assignment (a
         generate call already running keeps the snapshot it started with). Activating the
         version already active is a no-op, so a repeated activation is harmless."""
-        snap = self._staged
-        if snap is not None and snap.version == version:
-            if self._retain > 1 and self._active is not None:
-                self._retired = (self._retired + [self._active])[-(self._retain - 1):]
-            self._active, self._staged = snap, None  # the swap
-        elif self.active_version != version:
-            held = "nothing" if snap is None else str(snap.version)
-            raise VersionNotHeldError(f"asked to activate {version}, this replica has {held} staged")
-        return version
+        return self.versions.activate(version)
 
     def discard_staged(self) -> None:
         """Drop a staged copy that will not be activated (another replica failed to verify)."""
-        self._staged = None
+        self.versions.discard_staged()
 
     def load_weights(self, state_dict: Mapping[str, Tensor], manifest: WeightManifest) -> None:
         """Stage, verify, activate: the single-engine path. Activates nothing on failure."""
         self.activate(self.stage(state_dict, manifest))
 
-    def serving(self, version: PolicyVersion | None = None) -> _Snapshot:
+    def serving(self, version: PolicyVersion | None = None) -> Snapshot:
         """The snapshot (version, backend) serving `version` (None: the active one), retained or
         active; VersionNotHeldError when this replica does not hold it."""
-        snap = self._active  # read once
-        if version is not None and snap is not None and snap.version != version:
-            snap = next((r for r in self._retired if r.version == version), snap)
-        if snap is None or (version is not None and snap.version != version):
-            held = "nothing" if snap is None else str(snap.version)
-            raise VersionNotHeldError(f"asked to generate with {version}, this replica holds {held}")
-        return snap
+        return self.versions.serving(version)
 
     def check_requests(self, requests: list[GenerationRequest]) -> None:
         """ValueError on a (group_id, candidate) pair asked twice or a prompt token outside the
@@ -282,7 +188,7 @@ class RolloutEngine:
         rows = [(req, cand) for req in requests for cand in req.candidates]
         seeds = [candidate_seed(req.seed, cand) for req, cand in rows]
         if kv is not None:
-            kv.bind(snap.version, snap.backend)
+            kv.bind(snap.version, snap.held)
         filtered = contract.filtered
 
         def sample(out, i: int) -> RolloutSample:
@@ -294,32 +200,20 @@ class RolloutEngine:
         # rows that stopped at a step are final (loop.py): handed on while the others decode
         hook = None if stream is None else (lambda stopped, out: stream([sample(out, i) for i in stopped]))
         with torch.inference_mode():
-            if kv is not None and isinstance(snap.backend, LeanBackend):
-                out = kv.decode(snap.backend, [(req.group_id, cand) for req, cand in rows],
+            if kv is not None and isinstance(snap.held, LeanBackend):
+                out = kv.decode(snap.held, [(req.group_id, cand) for req, cand in rows],
                                 [req.prompt_ids for req, _ in rows], seeds, contract, self.device, self.eos_ids,
                                 StopChecker(self.tokenizer, contract.stop), started, on_step=hook)
             elif self.max_rows and len(rows) > self.max_rows:   # bounded rows: waves or continuous
-                args = (snap.backend, prompts, [prompt_index[req.prompt_ids] for req, _ in rows], seeds, contract,
+                args = (snap.held, prompts, [prompt_index[req.prompt_ids] for req, _ in rows], seeds, contract,
                         self.device, self.eos_ids, StopChecker(self.tokenizer, contract.stop), started)
                 per_request = [list(range(i, i + len(r.candidates)))
                                for i, r in zip(itertools.accumulate([0] + [len(r.candidates) for r in requests]),
                                                requests)]
-                lean = self.continuous and isinstance(snap.backend, LeanBackend)
+                lean = self.continuous and isinstance(snap.held, LeanBackend)
                 out = (continuous if lean else run_waves)(*args, per_request, self.max_rows, on_step=hook)
             else:
-                out = decode_loop(snap.backend, prompts, [prompt_index[req.prompt_ids] for req, _ in rows],
+                out = decode_loop(snap.held, prompts, [prompt_index[req.prompt_ids] for req, _ in rows],
                                   seeds, contract, self.device, self.eos_ids,
                                   StopChecker(self.tokenizer, contract.stop), started, on_step=hook)
         return [sample(out, i) for i in range(len(rows))]
-
-
-def _stage(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """A private CPU copy of every tensor; aliases (tied embeddings) stay aliases."""
-    staged, copies = {}, {}
-    for name, t in state_dict.items():
-        t = t.detach()
-        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
-        if key not in copies:
-            copies[key] = t.to("cpu", copy=True)
-        staged[name] = copies[key]
-    return staged

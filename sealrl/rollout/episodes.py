@@ -37,7 +37,7 @@ from sealrl.envs import make_env
 from sealrl.experience.episode import EnvStatus, EpisodeRecord, TurnRecord
 from sealrl.experience.ids import sample_id
 from sealrl.experience.records import SamplingContract, StopReason
-from sealrl.rollout.engine import GenerationRequest, RolloutSample
+from sealrl.experience.wire import GenerationRequest, RolloutSample
 from sealrl.rollout.sampling import _splitmix64
 from sealrl.rollout.turns import TurnCache
 
@@ -62,12 +62,6 @@ class EpisodeStart:
     text: str
     ground_truth: Any
     data_source: str
-
-
-def env_input(prompt) -> str:
-    """GenerationRequest.env_input of a dataset prompt (data.dataset.Prompt)."""
-    return json.dumps({"prompt_id": prompt.prompt_id, "text": prompt.text,
-                       "ground_truth": prompt.ground_truth, "data_source": prompt.data_source}, sort_keys=True)
 
 
 def turn_seed(request_seed: int, turn: int) -> int:

@@ -23,7 +23,7 @@ import torch
 
 from sealrl.experience.ids import PolicyVersion, sample_id
 from sealrl.experience.records import SamplingContract
-from sealrl.rollout.engine import GenerationRequest, RolloutSample, VersionNotHeldError
+from sealrl.experience.wire import GenerationRequest, RolloutSample, VersionNotHeldError
 from sealrl.rollout.loop import RowOutputs, decode_loop, prefilled
 from sealrl.rollout.sampling import candidate_seed
 from sealrl.rollout.stops import StopChecker
@@ -84,7 +84,7 @@ def generate_switching(engine, requests: list[GenerationRequest], contract: Samp
         while running:
             distinct = list(dict.fromkeys(prefixes[r] for r in running))
             if first:   # the new version's own cache: prefill prompt + response so far
-                start = prefilled(snap.backend, distinct, contract.max_new_tokens - first, engine.device)
+                start = prefilled(snap.held, distinct, contract.max_new_tokens - first, engine.device)
             where = {p: i for i, p in enumerate(distinct)}
             asked: list[PolicyVersion] = []
 
@@ -94,7 +94,7 @@ def generate_switching(engine, requests: list[GenerationRequest], contract: Samp
                     asked.append(nxt)
                 return bool(asked)
             sub = _rows(out, running)
-            decode_loop(snap.backend, distinct, [where[prefixes[r]] for r in running], [seeds[r] for r in running],
+            decode_loop(snap.held, distinct, [where[prefixes[r]] for r in running], [seeds[r] for r in running],
                         contract, engine.device, engine.eos_ids, stops, started, start=start, first_step=first,
                         out=sub, interrupt=interrupt)
             for j, r in enumerate(running):   # the token lists are shared; the per-row scalars come back

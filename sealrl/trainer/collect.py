@@ -12,7 +12,7 @@ import dataclasses
 import time
 
 from sealrl.experience import LateResults, RewardRecord, RewardStatus
-from sealrl.rollout.engine import GenerationRequest, RolloutSample
+from sealrl.experience.wire import GenerationRequest, RolloutSample
 from sealrl.trainer.ledger import IterationLedger
 
 

@@ -68,14 +68,28 @@ def _deliver(stage: str, iteration: int, call):
     return results
 
 
-class _Rollout(_Wrapper):
-    def __init__(self, inner, clock: _Clock) -> None:
-        super().__init__(inner)
-        object.__setattr__(self, "clock", clock)
+class _Rollout:
+    """A rollout client (seams/rollout.py) with the generate and weight_sync points; every other
+    member passes through, and the capabilities are the wrapped client's."""
 
-    def generate(self, requests, contract, version, **stream):   # reward.stream's hook passes through
+    def __init__(self, inner, clock: _Clock) -> None:
+        self.inner, self.clock, self.capabilities = inner, clock, inner.capabilities
+
+    @property
+    def version(self):
+        return self.inner.version
+
+    @property
+    def backend(self) -> tuple[str, str]:
+        return self.inner.backend
+
+    def generate(self, requests, contract, version, stream=None):
         it = _iteration_of(requests[0].group_id) if requests else -1
-        return _deliver("generate", it, lambda: self.inner.generate(requests, contract, version, **stream))
+        kw = {} if stream is None else {"stream": stream}   # reward.stream's hook passes through
+        return _deliver("generate", it, lambda: self.inner.generate(requests, contract, version, **kw))
+
+    def generate_switching(self, requests, contract, version, plan=None, resolve=None):
+        return self.inner.generate_switching(requests, contract, version, plan, resolve)
 
     def load(self, state, manifest):
         if faults.point("weight_sync", self.clock.publishing) == "corrupt":
@@ -83,6 +97,21 @@ class _Rollout(_Wrapper):
             name = next(iter(state))
             state[name] = state[name].clone().flatten().index_fill_(0, torch.tensor([0]), 1e3).view_as(state[name])
         return self.inner.load(state, manifest)
+
+    def retain(self, versions: int) -> None:
+        self.inner.retain(versions)
+
+    def pin_base(self, state, manifest) -> str:
+        return self.inner.pin_base(state, manifest)
+
+    def take_served(self) -> list[dict]:
+        return self.inner.take_served()
+
+    def take_recoveries(self) -> list[float]:
+        return self.inner.take_recoveries()
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 class _Reward(_Wrapper):

@@ -14,7 +14,7 @@ filter judges the score before any KL-in-reward term (as verl judges the reward 
 from __future__ import annotations
 
 from sealrl.experience import RewardRecord
-from sealrl.rollout.engine import RolloutSample
+from sealrl.experience.wire import RolloutSample
 from sealrl.trainer.collect import decode_and_score, generate
 from sealrl.trainer.derive import training_scores
 from sealrl.trainer.episodes import action_masks

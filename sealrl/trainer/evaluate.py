@@ -6,15 +6,14 @@ from __future__ import annotations
 
 from sealrl.data.dataset import PromptSet
 from sealrl.experience import PolicyVersion, SamplingContract, group_id
+from sealrl.experience.wire import GenerationRequest, env_input
 from sealrl.rewards.base import RewardSample
 from sealrl.rewards.pool import RewardPool
-from sealrl.roles.rollout import Rollout
-from sealrl.rollout.engine import GenerationRequest
-from sealrl.rollout.episodes import env_input
+from sealrl.seams.rollout import RolloutClient
 from sealrl.trainer.ledger import request_seed
 
 
-def evaluate(rollout: Rollout, version: PolicyVersion, prompts: PromptSet, reward_fn, tokenizer,
+def evaluate(rollout: RolloutClient, version: PolicyVersion, prompts: PromptSet, reward_fn, tokenizer,
              max_new_tokens: int, num: int, pass_k: int = 1, temperature: float = 1.0,
              seed: int = 0, batch_size: int = 256, num_scorers: int = 0, timeout_s: float = 10.0,
              memory_mb: int = 0

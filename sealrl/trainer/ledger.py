@@ -11,8 +11,7 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 
 from sealrl.experience import Join, RewardRecord, RewardStatus, StopReason, digest, group_id
-from sealrl.rollout.engine import GenerationRequest, RolloutSample
-from sealrl.rollout.episodes import env_input
+from sealrl.experience.wire import GenerationRequest, RolloutSample, env_input
 
 
 def request_seed(run_seed: int, iteration: int, prompt_id: str) -> int:

@@ -19,37 +19,58 @@ import copy
 import torch
 
 from sealrl.experience import ExperienceBatch, Role, pad_token_rows
-from sealrl.rollout import switching
-from sealrl.rollout.engine import RolloutSample
-from sealrl.rollout.switching import Switch, generate_switching, planned, token_steps
-
-
-def live_switch(engine, it: int) -> Switch:
-    """The clock's schedule for iteration `it` (rollout/switching.py live_switch); tests replace
-    it to force a switch at a chosen token."""
-    return switching.live_switch(engine)
+from sealrl.experience.wire import RolloutSample
+from sealrl.rollout.switching import token_steps
+from sealrl.seams.rollout import MissingCapability, switching
 
 
 class SwitchingRollout:
-    """The lane's rollout role for one iteration: generate switches versions on publications
-    (`plan` None) or at a replay's recorded tokens; everything else is the wrapped role's."""
+    """The lane's rollout client for one iteration (seams/rollout.py): generate switches versions
+    on publications (`plan` None) or at a replay's recorded tokens (rollout/switching.py, where
+    the client runs); every other member is the wrapped client's. Its capabilities are the
+    wrapped client's, switching (no stream of finished rows, no bounded rows, no episodes)."""
 
-    def __init__(self, rollout, it: int, plan: dict | None, resolve) -> None:
-        self._rollout, self._it, self._plan, self._resolve = rollout, it, plan, resolve
+    def __init__(self, rollout, plan: dict | None, resolve) -> None:
+        self._rollout, self._plan, self._resolve = rollout, plan, resolve
+        self.capabilities = switching(rollout.capabilities)
 
-    def generate(self, requests, contract, version) -> list[RolloutSample]:
-        role = self._rollout
-        if not hasattr(role, "engine"):   # the generation process (rollout.lane=process) switches there
-            return role.generate_switching(requests, contract, version, self._plan)
-        switch = live_switch(role.engine, self._it) if self._plan is None else planned(self._plan, self._resolve)
-        return generate_switching(role.engine, requests, contract, version, switch)
+    @property
+    def version(self):
+        return self._rollout.version
 
-    def __getattr__(self, name):
-        return getattr(self._rollout, name)
+    @property
+    def backend(self) -> tuple[str, str]:
+        return self._rollout.backend
+
+    def generate(self, requests, contract, version, stream=None) -> list[RolloutSample]:
+        if stream is not None:
+            raise MissingCapability(self, "streams_finished_rows")
+        return self._rollout.generate_switching(requests, contract, version, self._plan, self._resolve)
+
+    def generate_switching(self, requests, contract, version, plan=None, resolve=None) -> list[RolloutSample]:
+        return self._rollout.generate_switching(requests, contract, version, plan, resolve)
+
+    def load(self, state, manifest):
+        return self._rollout.load(state, manifest)
+
+    def retain(self, versions: int) -> None:
+        self._rollout.retain(versions)
+
+    def pin_base(self, state, manifest) -> str:
+        return self._rollout.pin_base(state, manifest)
+
+    def take_served(self) -> list[dict]:
+        return self._rollout.take_served()
+
+    def take_recoveries(self) -> list[float]:
+        return self._rollout.take_recoveries()
+
+    def close(self) -> None:
+        self._rollout.close()
 
 
-def lane_run(run, it: int, plan: dict | None = None, resolve=None):
-    """`run` as the lane generates iteration `it` with: unchanged with rollout.partial=finish;
+def lane_run(run, plan: dict | None = None, resolve=None):
+    """`run` as the lane generates an iteration with: unchanged with rollout.partial=finish;
     with switch, its rollout switches on publications, or follows a replay's recorded `plan`
     (first token -> key; `resolve(key)` is the version, once the rollout holds it; in the
     generation process the keys are the recorded versions and it waits for them there)."""
@@ -57,7 +78,7 @@ def lane_run(run, it: int, plan: dict | None = None, resolve=None):
         return run
     out = copy.copy(run)
     out.roles = copy.copy(run.roles)
-    out.roles.rollout = SwitchingRollout(run.roles.rollout, it, plan, resolve)
+    out.roles.rollout = SwitchingRollout(run.roles.rollout, plan, resolve)
     return out
 
 

@@ -34,7 +34,7 @@ from collections import Counter
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
-from sealrl.rollout.engine import RolloutSample
+from sealrl.experience.wire import RolloutSample
 from sealrl.trainer.collect import decode_and_score, generate
 from sealrl.trainer.dynamic import oversample
 from sealrl.trainer.episodes import episode_metrics
@@ -247,7 +247,7 @@ class Pipeline:
                 version = self._wait_version(self.source(it))
                 with self._rollout_lock:
                     lane.timer.start_iteration(it)
-                    p = produce(lane_run(lane, it, *self._plan(it)), it, self._prompts(it), version)
+                    p = produce(lane_run(lane, *self._plan(it)), it, self._prompts(it), version)
                     if self._process is not None:
                         self._process.check()
                 p.timer, lane.timer = lane.timer, self.run.timer.lane()

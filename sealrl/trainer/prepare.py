@@ -11,8 +11,8 @@ import torch
 
 from sealrl.experience import ExperienceBatch, RewardRecord, Role, SampleMeta, pad_token_rows
 from sealrl.experience.store import iteration_path, write_iteration
+from sealrl.experience.wire import RolloutSample
 from sealrl.roles.common import batch_sum_pi_squared
-from sealrl.rollout.engine import RolloutSample
 from sealrl.trainer.derive import derive
 from sealrl.trainer.episodes import action_masks, put_episode_facts
 from sealrl.trainer.ledger import IterationLedger

@@ -13,8 +13,7 @@ import dataclasses
 import torch
 
 from sealrl.experience import ExperienceBatch, Role, StopReason
-from sealrl.rollout.engine import GenerationRequest, RolloutSample
-from sealrl.rollout.episodes import env_input
+from sealrl.experience.wire import GenerationRequest, RolloutSample, env_input
 from sealrl.trainer.collect import reward_item
 from sealrl.trainer.ledger import IterationLedger, request_seed
 

@@ -30,6 +30,7 @@ from sealrl.roles.critic import Critic
 from sealrl.roles.reference import Reference
 from sealrl.roles.reward import Reward
 from sealrl.roles.rollout import Rollout
+from sealrl.seams.rollout import RolloutClient
 from sealrl.sync.manifest import build_manifest
 from sealrl.trainer import adapters
 from sealrl.trainer.state import Phase, StateMachine
@@ -165,7 +166,7 @@ def build_reward_fn(cfg: Config):
 @dataclass
 class Roles:
     actor: Actor
-    rollout: Rollout
+    rollout: RolloutClient   # seams/rollout.py: the in-process role, a Ray pool, the generation process
     reward: Reward
     reference: Reference | None
     critic: Critic | None
@@ -221,8 +222,8 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
     rows = (cfg.rollout.max_rows, cfg.rollout.continuous_batching)   # rollout/scheduler.py
     rollout = Rollout(template, tokenizer, cfg.rollout.device, episodes=episodes, rows=rows) \
         if cfg.placement.backend == "local" else ray_rollout_pool(cfg, model, tokenizer, closers, shared, episodes)
-    if episodes is not None and cfg.placement.backend == "local":   # the local role's tool worker
-        closers.append(rollout.episodes.close)
+    if cfg.placement.backend == "local":   # the local role's tool worker, if it plays episodes
+        closers.append(rollout.close)
     if base is not None:   # LoRA (local placement only): every version is an adapter on this base
         rollout.pin_base(adapters.plain_base_state(model), base)
     reference = None

@@ -24,7 +24,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from sealrl.experience.records import RewardRecord, StopReason
-from sealrl.rollout.engine import RolloutSample
+from sealrl.experience.wire import RolloutSample
 from sealrl.trainer.collect import reward_item
 
 
