@@ -90,13 +90,15 @@ def test_tampered_file_is_detected(tmp_path):
 
 
 def test_consumption_log_round_trip_and_bad_lines(tmp_path):
-    append_consumed(tmp_path, 0, 1, "r@0.0#a", "r@1.0")
-    append_consumed(tmp_path, 1, 2, "r@1.0#b", "r@2.0")
+    append_consumed(tmp_path, 0, 1, "r@0.0#a", "r@1.0", "d0")
+    append_consumed(tmp_path, 1, 2, "r@1.0#b", "r@2.0", "d1")
     with open(tmp_path / CONSUMED, "a") as f:
         f.write("{not json\n" + json.dumps({"consumed_step": 3}) + "\n")
     by_iteration, errors = read_consumed(tmp_path)
-    assert by_iteration == {0: [{"iteration": 0, "consumed_step": 1, "sampled_by": "r@0.0#a", "committed": "r@1.0"}],
-                            1: [{"iteration": 1, "consumed_step": 2, "sampled_by": "r@1.0#b", "committed": "r@2.0"}]}
+    assert by_iteration == {0: [{"iteration": 0, "consumed_step": 1, "sampled_by": "r@0.0#a", "committed": "r@1.0",
+                                 "seal_digest": "d0"}],
+                            1: [{"iteration": 1, "consumed_step": 2, "sampled_by": "r@1.0#b", "committed": "r@2.0",
+                                 "seal_digest": "d1"}]}
     assert len(errors) == 2 and errors[0].startswith(f"{CONSUMED} line 3: JSONDecodeError")
     assert errors[1].startswith(f"{CONSUMED} line 4: KeyError")
     assert read_consumed(tmp_path / "absent") == ({}, [])
