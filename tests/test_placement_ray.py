@@ -441,3 +441,22 @@ def test_resume_in_ray_placement_resyncs_verified_weights_before_generating(tmp_
     restored = read_iteration(local_run[1] / "experience" / "iter_000001.parquet").samples[0].policy_version
     assert pools[1].history[:2] == [("load", restored), ("generate", restored)]
     assert_same_run(tmp_path / "e2e", resumed, local_run)
+
+
+@pytest.mark.slow
+def test_a_replica_lost_while_idle_is_replaced_at_the_next_load_and_the_load_goes_on(objects, ray_pool):
+    """The replica dies between two iterations (idle: most of its time). The next weight sync
+    finds it lost while staging, replaces it (back to the served version, verified), stages
+    again on every replica and activates: the run goes on, nothing raised."""
+    import ray
+
+    from sealrl.placement.rollout_pool import RolloutPool
+    _, _, (state, v0), (state1, v1), requests = objects
+    pool = RolloutPool(ray_pool, timeout_s=120)
+    pool.load(state, v0)
+    restarts = ray_pool.restarts
+    ray.kill(ray_pool.actors[0], no_restart=True)
+    assert pool.load(state1, v1) == v1.version
+    assert ray_pool.restarts == restarts + 1 and len(pool.take_recoveries()) == 1
+    assert pool.version == v1.version
+    assert {s.policy_version for s in pool.generate(requests, CONTRACT, v1.version)} == {v1.version}

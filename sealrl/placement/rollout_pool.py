@@ -64,12 +64,21 @@ class RolloutPool:
         return held[0]
 
     def load(self, state, manifest: WeightManifest) -> PolicyVersion:
+        """Two phases: every replica stages and verifies `manifest`, then all switch. A replica
+        found lost while staging (it died while idle: the likeliest moment, replicas idle most
+        of an iteration) is replaced, brought to the versions the others serve, and the stage is
+        tried again, up to `max_replacements` times; any other failure (a checksum) is raised
+        and activates nothing."""
         shared = self.group.put(dict(state))  # put once, not per replica
-        failed = stage_all(self.group, shared, manifest, self.timeout_s)
-        if failed:
-            for k in sorted(k for k, e in failed.items() if e.lost):
+        for attempt in range(self.max_replacements + 1):
+            failed = stage_all(self.group, shared, manifest, self.timeout_s)
+            if not failed:
+                break
+            lost = sorted(k for k, e in failed.items() if e.lost)
+            for k in lost:
                 self._replace(k)  # back to the version the others still serve
-            raise failed[min(failed)]
+            if len(lost) < len(failed) or attempt == self.max_replacements:
+                raise failed[min(failed)]
         # every replica verified v: the commit point (a replica replaced from here on loads v)
         self.versions.activate(self.versions.stage(manifest.version, lambda: (shared, manifest)))
         activate_all(self.group, manifest.version, self.timeout_s, replace=self._replace)
