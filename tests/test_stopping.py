@@ -167,3 +167,26 @@ def test_command_line_mistakes_are_one_line(tmp_path, monkeypatch, capsys):
         capsys.readouterr().err
     status, _ = _cli(tmp_path, "f", "model.path=", monkeypatch=monkeypatch)
     assert status == 2 and "model.path is empty" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_an_append_is_one_line_and_resume_is_exact(tmp_path, monkeypatch, straight, capsys):
+    from sealrl.trainer import prepare
+    real, calls = prepare.append_lines, []
+
+    def full_disk(path, rows):   # the ledger append of iteration 2: half a line written, then ENOSPC
+        calls.append(path)
+        if Path(path).name == "ledger.jsonl" and rows and rows[0]["iteration"] == 2:
+            with open(path, "a") as f:
+                f.write('{"iteration": 2, "gro')
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, rows)
+
+    monkeypatch.setattr(prepare, "append_lines", full_disk)
+    status, summary = _cli(tmp_path, "g", monkeypatch=monkeypatch)
+    err = capsys.readouterr().err
+    assert status == 2 and summary == {} and "disk full writing" in err and "ledger.jsonl" in err
+    assert "Traceback" not in err
+    monkeypatch.setattr(prepare, "append_lines", real)
+    status, summary = _cli(tmp_path, "g", "run.resume=auto", monkeypatch=monkeypatch)
+    assert status == 0 and summary["weights_hash"] == straight and "last line is torn" in capsys.readouterr().err
