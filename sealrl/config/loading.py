@@ -14,6 +14,7 @@ from typing import Any, get_type_hints
 
 import yaml
 
+from sealrl.config.rollout_backend import check_rollout_backend
 from sealrl.config.sections import Config, ConfigError, _check, relative_note
 
 
@@ -143,6 +144,7 @@ def check_config(cfg: Config) -> None:
     if cfg.rollout.partial == "switch" and (cfg.reward.stream or cfg.rollout.max_rows):   # rollout/switching.py
         raise ConfigError("rollout.partial=switch with reward.stream or rollout.max_rows is not built yet (its "
                           "segments neither hand finished rows on nor bound the rows)", "rollout.partial")
+    check_rollout_backend(cfg)   # rollout.backend=vllm only where it is built (config/rollout_backend.py)
     if cfg.rollout.lane == "process" and (cfg.actor.lora.rank or cfg.critic.lora.rank):   # placement/process_rollout.py
         raise ConfigError("rollout.lane=process with LoRA is not built yet (the process would need the pinned base)",
                           "rollout.lane")

@@ -13,19 +13,25 @@ from sealrl.models.precision import resolve_device
 from sealrl.rollout import switching
 from sealrl.rollout.engine import GenerationRequest, RolloutEngine, RolloutSample
 from sealrl.rollout.episodes import EpisodeRunner, EpisodeSpec
+from sealrl.rollout.vllm_engine import VllmEngine, VllmOptions
 from sealrl.sync.manifest import WeightManifest
 
 
 class Rollout:
     def __init__(self, model, tokenizer, device: str = "cpu", episodes: EpisodeSpec | None = None,
-                 rows: tuple[int, bool] = (0, False)):
+                 rows: tuple[int, bool] = (0, False), vllm: VllmOptions | None = None):
         """`device`: auto | cpu | cuda, where the engine's weights live and it samples (resolved
         here, in the process hosting the role); the weights are verified on their CPU copy in
         the rollout's dtype, which the device then receives bit for bit. `episodes`: multi-turn
         rollouts against that environment (rollout/episodes.py). `rows`: (rollout.max_rows,
-        rollout.continuous_batching), how many rows decode at once and how (rollout/scheduler.py)."""
-        self.engine = RolloutEngine(model, tokenizer, device=resolve_device(device, "rollout.device"))
-        self.engine.max_rows, self.engine.continuous = rows
+        rollout.continuous_batching), how many rows decode at once and how (rollout/scheduler.py).
+        `vllm`: generate with vLLM instead of the native engine (rollout.backend=vllm,
+        rollout/vllm_engine.py; vLLM places itself, `device` is not used)."""
+        if vllm is not None:
+            self.engine = VllmEngine(model, tokenizer, vllm)
+        else:
+            self.engine = RolloutEngine(model, tokenizer, device=resolve_device(device, "rollout.device"))
+            self.engine.max_rows, self.engine.continuous = rows
         self.episodes = None if episodes is None else EpisodeRunner(episodes, tokenizer)
 
     @property

@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from sealrl.config import Config, ConfigError
+from sealrl.config.rollout_backend import check_rollout_backend, resolve_rollout_backend
 from sealrl.data.dataset import PromptSet, load_prompts, prompts_from_rows
 from sealrl.data.sampler import PromptSampler
 from sealrl.data.tasks import EMBEDDED_TASK, make_task
@@ -30,6 +31,7 @@ from sealrl.roles.critic import Critic
 from sealrl.roles.reference import Reference
 from sealrl.roles.reward import Reward
 from sealrl.roles.rollout import Rollout
+from sealrl.rollout.vllm_engine import VllmOptions
 from sealrl.sync.manifest import build_manifest
 from sealrl.trainer import adapters
 from sealrl.trainer.state import Phase, StateMachine
@@ -206,8 +208,11 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
         actor = data_parallel_role(cfg, "actor", make_actor, actor, closers, shared)
     episodes = episode_spec(cfg)
     rows = (cfg.rollout.max_rows, cfg.rollout.continuous_batching)   # rollout/scheduler.py
-    rollout = Rollout(template, tokenizer, cfg.rollout.device, episodes=episodes, rows=rows) \
+    vllm = vllm_options(cfg)   # None: the native engine
+    rollout = Rollout(template, tokenizer, cfg.rollout.device, episodes=episodes, rows=rows, vllm=vllm) \
         if cfg.placement.backend == "local" else ray_rollout_pool(cfg, model, tokenizer, closers, shared, episodes)
+    if vllm is not None:   # vLLM's engine process and staged files
+        closers.append(rollout.engine.close)
     if episodes is not None and cfg.placement.backend == "local":   # the local role's tool worker
         closers.append(rollout.episodes.close)
     if base is not None:   # LoRA (local placement only): every version is an adapter on this base
@@ -235,6 +240,17 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
     reward = Reward(build_reward_fn(cfg), cfg.reward.num_scorers, cfg.reward.timeout_s)
     return Roles(actor, rollout, reward, reference, critic, tokenizer, closers,
                  functools.partial(Rollout, template, tokenizer, episodes=episodes, rows=rows))
+
+
+def vllm_options(cfg: Config) -> VllmOptions | None:
+    """rollout.backend resolved (auto said once on stderr): the vLLM engine's options, or None for
+    the native engine (config/rollout_backend.py)."""
+    if resolve_rollout_backend(cfg) != "vllm":
+        return None
+    check_rollout_backend(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, backend="vllm")))
+    v = cfg.rollout.vllm
+    return VllmOptions(dtype=cfg.rollout.dtype, enforce_eager=v.enforce_eager, max_num_seqs=v.max_num_seqs,
+                       gpu_memory_utilization=v.gpu_memory_utilization, kv_cache_gb=v.kv_cache_gb)
 
 
 def shared_pool(cfg: Config, closers: list):
