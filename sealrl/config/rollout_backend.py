@@ -28,7 +28,6 @@ def vllm_lacks(cfg: Config) -> str | None:
                                  "the filtered log-probs, not the unfiltered ones the record and the loss use"),
         (r.max_rows or r.continuous_batching, "does not use rollout.max_rows / continuous_batching (the native "
                                               "engine's scheduler); vLLM's is bounded by rollout.vllm.max_num_seqs"),
-        (cfg.env.name != "none", "with multi-turn episodes (env.name) is not built yet"),
     ]
     return next((why for bad, why in refused if bad), None)
 
