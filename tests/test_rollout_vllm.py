@@ -30,7 +30,6 @@ PROMPTS = ["12+34=", "7+8=", "40+2=", "99+1="]
 @pytest.mark.parametrize("override, says", [
     ("actor.lora.rank=4", "LoRA"),
     ("rollout.max_staleness=1", "max_staleness"),
-    ("placement.backend=ray", "placement.backend=ray"),
     ("rollout.top_p=0.9", "top_p=1"),
     ("rollout.top_k=5", "top_k=0"),
     ("rollout.max_rows=8", "max_rows"),
@@ -284,4 +283,20 @@ def test_multi_turn_tool_run_on_vllm_is_audited(tmp_path):
     assert audit_run(run).failed_checks() == []   # the episodes check included
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert sum(line["episode/env_calls"] for line in lines) > 0   # the tool was called and answered
+    assert all(line["logprob/old_vs_rollout_log_prob_abs_diff_max"] <= 1e-5 for line in lines)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_two_ray_replicas_of_vllm_sync_in_two_phases_and_the_run_is_audited(tmp_path):
+    """placement.backend=ray: each replica runs its own vLLM engine; every version is staged and
+    verified on both before either switches (placement/rollout_pool.py), and both serve."""
+    pytest.importorskip("ray", reason="placement.backend=ray needs ray (the test extra)")
+    from sealrl.audit import audit_run
+    run = _short_run(tmp_path, "arith_grpo.yaml", "placement.backend=ray", "placement.rollout_replicas=2",
+                     "placement.num_cpus=2", "placement.cpus_per_replica=0.5", "placement.timeout_s=300")
+    assert audit_run(run).failed_checks() == []
+    served = [json.loads(x) for x in (run / "served.jsonl").read_text().splitlines()]
+    assert {k for row in served for k in row["replica_of"].values()} == {0, 1}
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(line["logprob/old_vs_rollout_log_prob_abs_diff_max"] <= 1e-5 for line in lines)

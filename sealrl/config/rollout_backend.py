@@ -18,12 +18,11 @@ INSTALL = "pip install 'sealrl[vllm]' on a CUDA machine, or `make install-vllm` 
 
 def vllm_lacks(cfg: Config) -> str | None:
     """The first thing `cfg` asks that the vLLM backend does not do yet, as the end of a sentence."""
-    r, p = cfg.rollout, cfg.placement
+    r = cfg.rollout
     refused = [
         (cfg.actor.lora.rank or cfg.critic.lora.rank, "with LoRA (actor.lora / critic.lora) is not built yet"),
         (r.max_staleness, "with rollout.max_staleness >= 1 is not built yet: vLLM holds one weight set, so the "
                           "retained versions an asynchronous run samples from are not served"),
-        (p.backend != "local", "with placement.backend=ray is not built yet (a pool of vLLM replicas)"),
         (r.top_k or r.top_p < 1, "needs rollout.top_k=0 and rollout.top_p=1: with a filter on, vLLM returns only "
                                  "the filtered log-probs, not the unfiltered ones the record and the loss use"),
         (r.max_rows or r.continuous_batching, "does not use rollout.max_rows / continuous_batching (the native "

@@ -210,8 +210,9 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
     rows = (cfg.rollout.max_rows, cfg.rollout.continuous_batching)   # rollout/scheduler.py
     vllm = vllm_options(cfg)   # None: the native engine
     rollout = Rollout(template, tokenizer, cfg.rollout.device, episodes=episodes, rows=rows, vllm=vllm) \
-        if cfg.placement.backend == "local" else ray_rollout_pool(cfg, model, tokenizer, closers, shared, episodes)
-    if vllm is not None:   # vLLM's engine process and staged files
+        if cfg.placement.backend == "local" else \
+        ray_rollout_pool(cfg, model, tokenizer, closers, shared, episodes, vllm)
+    if vllm is not None and cfg.placement.backend == "local":   # vLLM's engine process and staged files
         closers.append(rollout.engine.close)
     if episodes is not None and cfg.placement.backend == "local":   # the local role's tool worker
         closers.append(rollout.episodes.close)
@@ -310,7 +311,7 @@ def episode_spec(cfg: Config):
                                                      e.tool_timeout_s)
 
 
-def ray_rollout_pool(cfg: Config, model, tokenizer, closers: list, shared=None, episodes=None):
+def ray_rollout_pool(cfg: Config, model, tokenizer, closers: list, shared=None, episodes=None, vllm=None):
     """placement.backend=ray: `rollout_replicas` RolloutWorkers as Ray actors (standalone or
     colocated: rollout_pool_spec) behind a RolloutPool with the rollout role's interface, so
     the driver loop does not change. Weights reach them only through the two-phase,
@@ -330,7 +331,7 @@ def ray_rollout_pool(cfg: Config, model, tokenizer, closers: list, shared=None, 
     threads = max(1, int(p.cpus_per_replica / len(spec.roles)))
     # the structure only (weights arrive by sync): nothing of the actor's device is pickled
     make = functools.partial(Rollout, weightless_template(model), tokenizer, cfg.rollout.device, episodes=episodes,
-                             rows=(cfg.rollout.max_rows, cfg.rollout.continuous_batching))
+                             rows=(cfg.rollout.max_rows, cfg.rollout.continuous_batching), vllm=vllm)
     group = RayWorkerGroup("rollout", make, pool,
                            timeout_s=p.timeout_s, threads=threads)
     rollout = RolloutPool(group, timeout_s=p.timeout_s)
