@@ -20,7 +20,6 @@ def vllm_lacks(cfg: Config) -> str | None:
     """The first thing `cfg` asks that the vLLM backend does not do yet, as the end of a sentence."""
     r = cfg.rollout
     refused = [
-        (cfg.actor.lora.rank or cfg.critic.lora.rank, "with LoRA (actor.lora / critic.lora) is not built yet"),
         (r.max_staleness, "with rollout.max_staleness >= 1 is not built yet: vLLM holds one weight set, so the "
                           "retained versions an asynchronous run samples from are not served"),
         (r.top_k or r.top_p < 1, "needs rollout.top_k=0 and rollout.top_p=1: with a filter on, vLLM returns only "

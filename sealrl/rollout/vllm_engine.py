@@ -52,7 +52,8 @@ from sealrl.experience.records import SamplingContract, StopReason
 from sealrl.models.hf import check_same_tokenizer, model_config_hash, tokenizer_hash
 from sealrl.rollout.engine import GenerationRequest, RolloutSample, VersionNotHeldError, _eos_ids, _stage
 from sealrl.rollout.sampling import candidate_seed
-from sealrl.sync.manifest import TensorEntry, WeightManifest, WeightSyncError, verify_weights
+from sealrl.sync.adapter import AdapterManifest, merge_adapter, verify_adapter
+from sealrl.sync.manifest import TensorEntry, WeightManifest, WeightSyncError, tensor_entry, verify_weights
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 EXTENSION = "sealrl.rollout.vllm_worker.SealrlWorkerExtension"
@@ -104,6 +105,7 @@ class VllmEngine:
         self.llm = _start(self._dir, self.options)
         self._active: _Held | None = None
         self._staged: _Held | None = None
+        self._base: tuple[str, dict[str, Tensor]] | None = None   # LoRA: (hash, weights) of the pinned base
         self.max_rows, self.continuous = 0, False   # the native scheduler's knobs: refused at config load
 
     # ---- versions -----------------------------------------------------------------------
@@ -130,21 +132,46 @@ class VllmEngine:
             raise ValueError(f"rollout.backend=vllm serves one version (vLLM holds one weight set); "
                              f"cannot retain {versions}")
 
-    def pin_base(self, state_dict, manifest) -> str:
-        raise ValueError("rollout.backend=vllm with LoRA (actor.lora) is not built yet")
+    def pin_base(self, state_dict: Mapping[str, Tensor], manifest: WeightManifest) -> str:
+        """LoRA: keep the frozen base (verified like a full version, in this process) that every
+        later adapter version is merged into; returns its hash. Nothing reaches vLLM."""
+        self._base = None
+        self._check_version(manifest.version)
+        self._base = (manifest.version.weights_hash, self._verified(state_dict, manifest))
+        return self._base[0]
 
-    def stage(self, state_dict: Mapping[str, Tensor], manifest: WeightManifest) -> PolicyVersion:
+    def stage(self, state_dict: Mapping[str, Tensor], manifest: WeightManifest | AdapterManifest,
+              ) -> PolicyVersion:
         """ROLLOUT_LOADING(v): verify every checksum and shape of a private copy and write it
-        where vLLM's worker reads it; the engine keeps serving the active version. Raises
+        where vLLM's worker reads it; the engine keeps serving the active version. An adapter
+        version (LoRA) is verified against the pinned base's hash and merged into a copy of it,
+        as the native engine does; what vLLM must then hold is that merged copy. Raises
         WeightSyncError naming the tensor, and then holds nothing staged."""
         self.discard_staged()
-        if not isinstance(manifest, WeightManifest):
-            raise ValueError("rollout.backend=vllm loads full weights only (LoRA adapters are not built yet)")
         version = manifest.version
+        self._check_version(version)
+        if isinstance(manifest, AdapterManifest):
+            adapter = _stage(state_dict)
+            base_hash, base = self._base or (None, {})
+            verify_adapter(adapter, manifest, base_hash, {n: tuple(t.shape) for n, t in base.items()})
+            staged = merge_adapter(base, adapter, manifest.scaling)
+            entries = {name: tensor_entry(t) for name, t in sorted(staged.items())}
+            manifest = WeightManifest(version, entries)   # the merged tensors, checked in the engine
+        else:
+            staged = self._verified(state_dict, manifest)
+        path = self._dir / f"staged-{version.weights_hash[:16]}-{time.monotonic_ns()}.safetensors"
+        _save(staged, path)
+        self._staged = _Held(version, manifest, path)
+        return version
+
+    def _check_version(self, version: PolicyVersion) -> None:
         if version.tokenizer_hash:
             check_same_tokenizer(version.tokenizer_hash, self.tokenizer_hash, f"vLLM rollout loading {version}")
         if version.model_config_hash and version.model_config_hash != self.model_config_hash:
             raise WeightSyncError("<config>", f"version {version} is for another architecture")
+
+    def _verified(self, state_dict: Mapping[str, Tensor], manifest: WeightManifest) -> dict[str, Tensor]:
+        """A private copy of full weights, every checksum verified and every tensor fitting the model."""
         staged = _stage(state_dict)
         verify_weights(staged, manifest)
         for name, shape in self._expected.items():
@@ -154,10 +181,7 @@ class VllmEngine:
                 raise WeightSyncError(name, f"shape {tuple(staged[name].shape)} != model {shape}")
         for name in staged.keys() - self._expected.keys():
             raise WeightSyncError(name, "not a tensor of the rollout model")
-        path = self._dir / f"staged-{version.weights_hash[:16]}-{time.monotonic_ns()}.safetensors"
-        _save(staged, path)
-        self._staged = _Held(version, manifest, path)
-        return version
+        return staged
 
     def discard_staged(self) -> None:
         """Drop a staged copy that will not be activated (another replica failed to verify)."""
