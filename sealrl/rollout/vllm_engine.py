@@ -15,7 +15,9 @@ embedded model). Behaviour log-probs: the engine runs with logprobs_mode="proces
 log_softmax(logits / T) of the sampled token after vLLM's top-k/top-p filter: with neither
 filter on, exactly the unfiltered training space the records declare. With a filter on it is
 the filtered space, and vLLM returns no unfiltered log-prob in the same pass, so filtered
-contracts are refused (config/rollout_backend.py) rather than recorded in the wrong space.
+contracts are refused (config/rollout_backend.py) rather than recorded in the wrong space. The
+one exception is evaluation's greedy contract (top_k=1, T=1): vLLM's temperature 0, whose
+log-probs are log_softmax(logits), the unfiltered space at T=1.
 Stops: eos ids (tokenizer + generation config) and stop ids end a request with the token kept
 in `response_ids` (it is an action), as in the native engine; stop strings are matched by vLLM
 on its detokenized text (special tokens skipped), the completing token kept.
@@ -32,6 +34,8 @@ Weights: one set. vLLM holds a single copy of the weights, so the two phases mea
   Between the load and that restore nothing generates (calls are sequential; generation with
   rollout.max_staleness >= 1 from another thread is refused at config load).
 - retain(k > 1) is refused: one weight set serves one version.
+LoRA: the adapter is verified against the pinned base and merged into a copy of it, as the
+native engine does (sync/adapter.py); the merged tensors are what the engine must then hold.
 """
 from __future__ import annotations
 
@@ -205,10 +209,9 @@ class VllmEngine:
             self._load_verified(held)
         except WeightSyncError:
             held.path.unlink(missing_ok=True)
-            if self._active is not None:
-                self._load_verified(self._active)   # the previous version serves again, verified
+            self._restore_active()
             raise
-        self.llm.reset_prefix_cache()   # no cached KV of the previous version serves the new one
+        self._reset_prefix_cache()   # no cached KV of the previous version serves the new one
         previous, self._active = self._active, held
         if previous is not None:
             previous.path.unlink(missing_ok=True)
@@ -217,6 +220,22 @@ class VllmEngine:
     def load_weights(self, state_dict: Mapping[str, Tensor], manifest: WeightManifest) -> None:
         """Stage, verify, activate: the single-engine path. Activates nothing on failure."""
         self.activate(self.stage(state_dict, manifest))
+
+    def _restore_active(self) -> None:
+        """After a failed activation: the previous version loaded back and verified, or, if even
+        that fails, nothing active (generate then refuses every version)."""
+        if self._active is None:
+            return
+        try:
+            self._load_verified(self._active)
+        except WeightSyncError:
+            self._active = None
+            raise
+        self._reset_prefix_cache()
+
+    def _reset_prefix_cache(self) -> None:
+        if not self.llm.reset_prefix_cache():   # refused while requests run: none may here
+            raise RuntimeError("vLLM refused to drop its prefix cache (requests still running)")
 
     def _load_verified(self, held: _Held) -> None:
         """Load `held` into the running engine and compare the checksums it reports with the
