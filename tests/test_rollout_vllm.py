@@ -53,6 +53,17 @@ def test_vllm_backend_without_vllm_says_how_to_install():
         check_config(build_config(None, ["rollout.backend=vllm"]))
 
 
+def test_importing_sealrl_never_imports_vllm():
+    """The driver, the roles and the vLLM engine module itself load without vLLM: it is imported
+    when a VllmEngine is built (meaningful in .venv-vllm, where vLLM is installed)."""
+    import subprocess
+    import sys
+    code = ("import sys, sealrl.trainer.driver, sealrl.cli, sealrl.rollout.vllm_engine, sealrl.rollout.vllm_worker; "
+            "print('vllm' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 def test_auto_is_native_on_cpu_and_says_so(capsys):
     from sealrl.config.rollout_backend import resolve_rollout_backend
     assert resolve_rollout_backend(build_config(None, ["rollout.device=cpu"])) == "native"
