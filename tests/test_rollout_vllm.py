@@ -32,11 +32,12 @@ PROMPTS = ["12+34=", "7+8=", "40+2=", "99+1="]
     ("rollout.top_p=0.9", "top_p=1"),
     ("rollout.top_k=5", "top_k=0"),
     ("rollout.max_rows=8", "max_rows"),
+    ("reward.stream=true,reward.num_scorers=1", "reward.stream"),
 ])
 def test_what_the_vllm_backend_lacks_is_refused_at_load_in_one_line(override, says):
     extra = ["algorithm.old_log_prob=recompute", "algorithm.correction=token_is"] if "staleness" in override else []
     with pytest.raises(ConfigError, match=says) as e:
-        check_config(build_config(None, ["rollout.backend=vllm", override, *extra]))
+        check_config(build_config(None, ["rollout.backend=vllm", *override.split(","), *extra]))
     assert "\n" not in str(e.value) and str(e.value).startswith("rollout.backend=vllm")
 
 

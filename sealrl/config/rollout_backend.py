@@ -26,6 +26,8 @@ def vllm_lacks(cfg: Config) -> str | None:
                                  "the filtered log-probs, not the unfiltered ones the record and the loss use"),
         (r.max_rows or r.continuous_batching, "does not use rollout.max_rows / continuous_batching (the native "
                                               "engine's scheduler); vLLM's is bounded by rollout.vllm.max_num_seqs"),
+        (cfg.reward.stream, "does not stream finished rows to the scorers yet (reward.stream): vLLM's blocking "
+                            "generate hands every sample on at the end, so nothing would overlap"),
     ]
     return next((why for bad, why in refused if bad), None)
 
