@@ -226,14 +226,11 @@ def test_a_corrupted_or_missing_tensor_activates_nothing_and_is_named(setup):
     with pytest.raises(WeightSyncError, match="model.norm.weight"):
         engine.stage(missing, build_manifest(missing, "vllm-test", 8, 0, *hashes))
     assert (engine.active_version, engine.staged_version) == (good.version, None)
-    # verified on its way in, corrupted on disk before vLLM loads it: the check of what the engine
-    # holds catches it, and the previous version is loaded back and verified
-    from safetensors.torch import load_file, save_file
+    # verified on its way in, corrupted in the staged copy before vLLM loads it: the check of what
+    # the engine holds catches it, and the previous version is loaded back and verified
     c_state, c = _version(base, 9, *hashes)
     engine.stage(c_state, c)
-    staged = load_file(str(engine._staged.path))
-    staged["model.layers.1.self_attn.k_proj.weight"][0, 0] += 1.0
-    save_file(staged, str(engine._staged.path))
+    engine._staged.weights["model.layers.1.self_attn.k_proj.weight"][0, 0] += 1.0
     with pytest.raises(WeightSyncError, match="model.layers.1.self_attn.k_proj.weight.*vLLM engine holds"):
         engine.activate(c.version)
     assert (engine.active_version, engine.staged_version) == (good.version, None)

@@ -23,14 +23,15 @@ in `response_ids` (it is an action), as in the native engine; stop strings are m
 on its detokenized text (special tokens skipped), the completing token kept.
 
 Weights: one set. vLLM holds a single copy of the weights, so the two phases mean:
-- stage(v): copy and verify every checksum against the manifest (as the native engine does),
-  then write the verified copy to a private safetensors file (the transfer to vLLM's engine
-  process). The engine still serves the active version; nothing reached vLLM.
-- activate(v): load the staged file into the running engine in place (the worker's own
-  `reload_weights`, vllm_worker.py), read back a checksum of every tensor the engine computes
-  with, in sealrl's names, and compare with the manifest; only then switch the version id and
-  drop vLLM's prefix cache. On a mismatch the previous version's file is loaded back and
-  verified, and WeightSyncError names the tensor: the previous version keeps serving.
+- stage(v): copy and verify every checksum against the manifest (as the native engine does)
+  and keep the verified copy in this process. The engine still serves the active version;
+  nothing reached vLLM.
+- activate(v): hand the copy to vLLM's engine process (a safetensors file in /dev/shm, removed
+  once loaded), load it in place (the worker's own `reload_weights`, vllm_worker.py), read back
+  a checksum of every tensor the engine computes with, in sealrl's names, and compare with the
+  manifest; only then switch the version id and drop vLLM's prefix cache. On a mismatch the
+  previous version's copy (kept while it is active) is loaded back and verified, and
+  WeightSyncError names the tensor: the previous version keeps serving.
   Between the load and that restore nothing generates (calls are sequential; generation with
   rollout.max_staleness >= 1 from another thread is refused at config load).
 - retain(k > 1) is refused: one weight set serves one version.
@@ -39,9 +40,7 @@ native engine does (sync/adapter.py); the merged tensors are what the engine mus
 """
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -76,11 +75,12 @@ class VllmOptions:
 
 @dataclass(frozen=True)
 class _Held:
-    """A version the engine can load: its manifest and the verified copy on disk."""
+    """A version the engine can load: its manifest and the verified copy (in this process: a
+    killed replica leaves no file behind)."""
 
     version: PolicyVersion
     manifest: WeightManifest
-    path: Path
+    weights: dict[str, Tensor]
 
 
 @dataclass(frozen=True)
@@ -102,11 +102,10 @@ class VllmEngine:
         self.model_config_hash = model_config_hash(model.config)
         self.vocab_size = model.config.vocab_size
         self._expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
-        self._dir = Path(tempfile.mkdtemp(prefix="sealrl-vllm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
-        atexit.register(shutil.rmtree, self._dir, True)
-        model.config.save_pretrained(self._dir)
-        tokenizer.save_pretrained(self._dir)
-        self.llm = _start(self._dir, self.options)
+        with tempfile.TemporaryDirectory(prefix="sealrl-vllm-") as folder:   # read by vLLM at start only
+            model.config.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+            self.llm = _start(Path(folder), self.options)
         self._active: _Held | None = None
         self._staged: _Held | None = None
         self._base: tuple[str, dict[str, Tensor]] | None = None   # LoRA: (hash, weights) of the pinned base
@@ -146,8 +145,8 @@ class VllmEngine:
 
     def stage(self, state_dict: Mapping[str, Tensor], manifest: WeightManifest | AdapterManifest,
               ) -> PolicyVersion:
-        """ROLLOUT_LOADING(v): verify every checksum and shape of a private copy and write it
-        where vLLM's worker reads it; the engine keeps serving the active version. An adapter
+        """ROLLOUT_LOADING(v): verify every checksum and shape of a private copy and keep it for
+        activate; the engine keeps serving the active version. An adapter
         version (LoRA) is verified against the pinned base's hash and merged into a copy of it,
         as the native engine does; what vLLM must then hold is that merged copy. Raises
         WeightSyncError naming the tensor, and then holds nothing staged."""
@@ -163,9 +162,7 @@ class VllmEngine:
             manifest = WeightManifest(version, entries)   # the merged tensors, checked in the engine
         else:
             staged = self._verified(state_dict, manifest)
-        path = self._dir / f"staged-{version.weights_hash[:16]}-{time.monotonic_ns()}.safetensors"
-        _save(staged, path)
-        self._staged = _Held(version, manifest, path)
+        self._staged = _Held(version, manifest, staged)
         return version
 
     def _check_version(self, version: PolicyVersion) -> None:
@@ -189,8 +186,6 @@ class VllmEngine:
 
     def discard_staged(self) -> None:
         """Drop a staged copy that will not be activated (another replica failed to verify)."""
-        if self._staged is not None:
-            self._staged.path.unlink(missing_ok=True)
         self._staged = None
 
     def activate(self, version: PolicyVersion) -> PolicyVersion:
@@ -208,13 +203,10 @@ class VllmEngine:
         try:
             self._load_verified(held)
         except WeightSyncError:
-            held.path.unlink(missing_ok=True)
             self._restore_active()
             raise
         self._reset_prefix_cache()   # no cached KV of the previous version serves the new one
-        previous, self._active = self._active, held
-        if previous is not None:
-            previous.path.unlink(missing_ok=True)
+        self._active = held
         return version
 
     def load_weights(self, state_dict: Mapping[str, Tensor], manifest: WeightManifest) -> None:
@@ -240,7 +232,11 @@ class VllmEngine:
     def _load_verified(self, held: _Held) -> None:
         """Load `held` into the running engine and compare the checksums it reports with the
         manifest, tensor by tensor (WeightSyncError naming the first that differs)."""
-        self.llm.collective_rpc("sealrl_load", args=(str(held.path),))
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None   # memory, not disk, where there is one
+        with tempfile.TemporaryDirectory(prefix="sealrl-vllm-", dir=shm) as folder:   # the transfer, only
+            path = Path(folder) / "weights.safetensors"
+            _save(held.weights, path)
+            self.llm.collective_rpc("sealrl_load", args=(str(path),))
         for reported in self.llm.collective_rpc("sealrl_held_entries"):   # one dict per worker
             check_held(reported, held.manifest)
 
@@ -322,11 +318,10 @@ class VllmEngine:
                              log_probs, (0.0,) * len(tokens) if greedy else None, reason, version, seed, finish_s)
 
     def close(self) -> None:
-        """Stop vLLM's engine process and remove the staged files."""
+        """Stop vLLM's engine process."""
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
-        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def check_held(reported: Mapping[str, list], manifest: WeightManifest) -> None:
