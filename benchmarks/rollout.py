@@ -1,4 +1,4 @@
-"""Rollout throughput: sealrl's RolloutEngine against Hugging Face `generate`, one run, one machine.
+"""Rollout throughput: sealrl's RolloutEngine against Hugging Face `generate` (and vLLM), one machine.
 
 Both sample the same prompts (16 two-digit additions by default, each n=8 times) from the same
 weights with the same settings: temperature 1.0, no top-k/top-p, up to 32 new tokens, KV
@@ -11,6 +11,12 @@ Run:
     .venv/bin/python benchmarks/rollout.py --model PATH --device cuda
     .venv/bin/python benchmarks/rollout.py --shape smollm2 --prompts 4 --max-new-tokens 64
     .venv/bin/python benchmarks/rollout.py --shape mid --max-new-tokens 64
+    .venv-vllm/bin/python benchmarks/rollout.py --backend vllm     # vLLM beside both (make install-vllm)
+
+With --backend vllm, sealrl's vLLM backend (rollout/vllm_engine.py: one vLLM request per
+candidate, its own seed, log-probs returned) samples the same requests from the same weights
+and joins the alternation; its start-up (engine process, dummy weights, the first load) is not
+timed, its first generate is the warm-up like the others'.
 
 The model is PATH if given, else the --shape folder of benchmarks/shapes.py (mid: the random
 Qwen2 layout of vs_trl.py --shape mid; smollm2: the converted SmolLM2-135M-Instruct folder),
@@ -59,6 +65,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch default")
+    p.add_argument("--backend", choices=("native", "vllm"), default="native",
+                   help="vllm: also time sealrl's vLLM backend (needs vLLM: make install-vllm)")
     return p.parse_args()
 
 
@@ -144,10 +152,18 @@ def main() -> None:
     prompts = addition_prompts(tokenizer, args.prompts)
     eos_ids = set(engine.eos_ids)
 
-    results: dict[str, list[tuple[float, int]]] = {"sealrl": [], "hf": []}
+    vllm = None
+    if args.backend == "vllm":
+        from sealrl.rollout.vllm_engine import VllmEngine
+        vllm = VllmEngine(model, tokenizer)
+        vllm.load_weights(model.state_dict(), manifest)
+
+    results: dict[str, list[tuple[float, int]]] = {"sealrl": [], "hf": [], **({"vllm": []} if vllm else {})}
     for repeat in range(-1, args.repeats):  # repeat -1 is the warm-up, not recorded
         runs = {"sealrl": lambda: run_sealrl(engine, manifest.version, prompts, args, repeat),
                 "hf": lambda: run_hf(model, tokenizer, prompts, args, repeat, eos_ids)}
+        if vllm is not None:
+            runs["vllm"] = lambda: run_sealrl(vllm, manifest.version, prompts, args, repeat)
         for name, fn in runs.items():
             seconds, tokens = timed(fn, args.device)
             if repeat >= 0:
@@ -166,6 +182,9 @@ def main() -> None:
         summary[f"{name}_median_s"] = round(statistics.median(s for s, _ in runs), 4)
         summary[f"{name}_median_tokens"] = statistics.median(t for _, t in runs)
     summary["ratio"] = round(summary["sealrl_tokens_per_s"] / summary["hf_tokens_per_s"], 2)
+    if vllm is not None:
+        summary["vllm_vs_native"] = round(summary["vllm_tokens_per_s"] / summary["sealrl_tokens_per_s"], 2)
+        vllm.close()
     print(json.dumps(summary))
 
 

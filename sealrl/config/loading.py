@@ -14,6 +14,7 @@ from typing import Any, get_type_hints
 
 import yaml
 
+from sealrl.config.rollout_backend import check_rollout_backend
 from sealrl.config.sections import Config, ConfigError, _check, relative_note
 from sealrl.seams import rollout as rollout_seam
 
@@ -150,6 +151,7 @@ def check_config(cfg: Config) -> None:
                           f"steps: nothing overlaps), got {cfg.reward.num_scorers}", "reward.stream")
     for key, reason in rollout_seam.refusals(cfg):   # what the selected rollout client cannot do
         raise ConfigError(reason, key)
+    check_rollout_backend(cfg)   # rollout.backend=vllm: its sampling filters, and installed (config/rollout_backend.py)
 
 
 def _yaml_error(path: str, e: yaml.YAMLError) -> ConfigError:

@@ -122,6 +122,23 @@ class DataConfig:
             _check(bool(self.train_file), "data.train_file", "set when data.task=file", self.train_file)
 
 
+ROLLOUT_BACKENDS = ("auto", "native", "vllm")   # config/rollout_backend.py
+
+
+@dataclass(kw_only=True, slots=True)
+class VllmConfig:  # rollout.vllm (rollout/vllm_engine.py); check keys start with "." (loading adds rollout.vllm)
+    enforce_eager: bool = True             # no CUDA graphs / torch.compile: fast start, slower decode on GPU
+    gpu_memory_utilization: float = 0.5    # CUDA: share of the GPU vLLM takes for weights and KV cache
+    max_num_seqs: int = 256                # requests vLLM decodes at once; the others wait in its queue
+    kv_cache_gb: int = 1                   # CPU: KV cache size in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE)
+
+    def __post_init__(self):
+        _check(0 < self.gpu_memory_utilization <= 1, ".gpu_memory_utilization", "in (0, 1]",
+               self.gpu_memory_utilization)
+        _check(self.max_num_seqs >= 1, ".max_num_seqs", ">= 1", self.max_num_seqs)
+        _check(self.kv_cache_gb >= 1, ".kv_cache_gb", ">= 1", self.kv_cache_gb)
+
+
 @dataclass(kw_only=True, slots=True)
 class RolloutConfig:
     n: int = 8                             # candidates per prompt (group size)
@@ -137,6 +154,8 @@ class RolloutConfig:
     partial: str = "finish"                # k >= 1, a publication mid-generation: finish (old version) | switch (new)
     max_rows: int = 0                      # rows decoding at once (0 = all of a call); more wait (rollout/scheduler.py)
     continuous_batching: bool = False      # max_rows > 0: admit waiting requests into finished rows, not waves
+    backend: str = "auto"                  # auto | native | vllm: the sampling engine (auto: vllm on cuda if installed)
+    vllm: VllmConfig = field(default_factory=VllmConfig)   # rollout.backend=vllm: vLLM's engine settings
 
     def __post_init__(self):
         _check(self.n >= 1, "rollout.n", ">= 1", self.n)
@@ -150,6 +169,7 @@ class RolloutConfig:
         _check(self.lane in ("thread", "process"), "rollout.lane", "thread or process", self.lane)
         _check(self.partial in ("finish", "switch"), "rollout.partial", "finish or switch", self.partial)
         _check(self.max_rows >= 0, "rollout.max_rows", ">= 0 (0 = every row of a call at once)", self.max_rows)
+        _check(self.backend in ROLLOUT_BACKENDS, "rollout.backend", " | ".join(ROLLOUT_BACKENDS), self.backend)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -15,7 +15,8 @@ from sealrl.models.precision import resolve_device
 from sealrl.rollout import switching
 from sealrl.rollout.engine import RolloutEngine
 from sealrl.rollout.episodes import EpisodeRunner, EpisodeSpec
-from sealrl.seams.rollout import CLIENTS
+from sealrl.rollout.vllm_engine import VllmEngine, VllmOptions
+from sealrl.seams.rollout import CLIENTS, VLLM, narrowed
 from sealrl.sync.manifest import WeightManifest
 
 
@@ -23,14 +24,20 @@ class Rollout:
     capabilities = CLIENTS["engine"].capabilities
 
     def __init__(self, model, tokenizer, device: str = "cpu", episodes: EpisodeSpec | None = None,
-                 rows: tuple[int, bool] = (0, False)):
+                 rows: tuple[int, bool] = (0, False), vllm: VllmOptions | None = None):
         """`device`: auto | cpu | cuda, where the engine's weights live and it samples (resolved
         here, in the process hosting the role); the weights are verified on their CPU copy in
         the rollout's dtype, which the device then receives bit for bit. `episodes`: multi-turn
         rollouts against that environment (rollout/episodes.py). `rows`: (rollout.max_rows,
-        rollout.continuous_batching), how many rows decode at once and how (rollout/scheduler.py)."""
-        self.engine = RolloutEngine(model, tokenizer, device=resolve_device(device, "rollout.device"))
-        self.engine.max_rows, self.engine.continuous = rows
+        rollout.continuous_batching), how many rows decode at once and how (rollout/scheduler.py).
+        `vllm`: generate with vLLM instead of the native engine (rollout.backend=vllm,
+        rollout/vllm_engine.py; vLLM places itself, `device` is not used)."""
+        if vllm is not None:
+            self.engine = VllmEngine(model, tokenizer, vllm)
+            self.capabilities = narrowed(self.capabilities, VLLM.capabilities)   # one weight set (seams/rollout.py)
+        else:
+            self.engine = RolloutEngine(model, tokenizer, device=resolve_device(device, "rollout.device"))
+            self.engine.max_rows, self.engine.continuous = rows
         self.episodes = None if episodes is None else EpisodeRunner(episodes, tokenizer)
 
     @property
@@ -98,6 +105,8 @@ class Rollout:
         return []
 
     def close(self) -> None:
-        """Stop the episodes' tool worker, if any."""
+        """Stop the episodes' tool worker and vLLM's engine process, if any."""
         if self.episodes is not None:
             self.episodes.close()
+        if isinstance(self.engine, VllmEngine):
+            self.engine.close()

@@ -79,10 +79,24 @@ SWITCHING = ClientKind("the switching generation (rollout/switching.py)", Capabi
     retained_versions=True, loads_while_generating=True, lora_adapters=True))
 
 
+# rollout.backend=vllm: the engine inside the client is vLLM (rollout/vllm_engine.py). It holds one
+# weight set (no retained versions, no load beside a running generate, no switch mid-generation),
+# its blocking generate hands rows on only at the end, and it bounds rows by rollout.vllm.max_num_seqs;
+# episodes go in turn by turn as token ids, LoRA adapters are merged into the pinned base here
+VLLM = ClientKind("the vLLM engine (rollout/vllm_engine.py)", Capabilities(
+    streams_finished_rows=False, switches_versions=False, multi_turn=True, bounded_rows=False,
+    retained_versions=False, loads_while_generating=False, lora_adapters=True))
+
+
+def narrowed(caps: Capabilities, by: Capabilities) -> Capabilities:
+    """What a client can still do once `by` (switching generation, a vLLM engine) narrows it."""
+    return Capabilities(**{f.name: getattr(caps, f.name) and getattr(by, f.name)
+                           for f in dataclasses.fields(Capabilities)})
+
+
 def switching(caps: Capabilities) -> Capabilities:
     """A client's capabilities once its generate calls switch versions (SwitchingRollout)."""
-    return Capabilities(**{f.name: getattr(caps, f.name) and getattr(SWITCHING.capabilities, f.name)
-                           for f in dataclasses.fields(Capabilities)})
+    return narrowed(caps, SWITCHING.capabilities)
 
 
 def selected_client(cfg) -> tuple[str, str]:
@@ -114,15 +128,23 @@ def requires(cfg) -> list[tuple[str, Any, str]]:
     return out
 
 
-def refusals(cfg) -> list[tuple[str, str]]:
+def narrowing(cfg, backend: str | None = None) -> list[tuple[ClientKind, str]]:
+    """What narrows the selected client's capabilities: switching generation, a vLLM engine
+    (`backend`: the resolved rollout.backend when known, else the config's)."""
+    out = [(SWITCHING, "rollout.partial=switch")] if cfg.rollout.partial == "switch" else []
+    if (backend or cfg.rollout.backend) == "vllm":
+        out.append((VLLM, "rollout.backend=vllm"))
+    return out
+
+
+def refusals(cfg, backend: str | None = None) -> list[tuple[str, str]]:
     """(key, one-line reason) for each feature of `cfg` that its selected client cannot serve."""
     kind, by = selected_client(cfg)
     client = CLIENTS[kind]
     out = []
     for key, value, cap in requires(cfg):
         lacking = [(client, by)] if not getattr(client.capabilities, cap) else []
-        if cfg.rollout.partial == "switch" and not getattr(SWITCHING.capabilities, cap):
-            lacking.append((SWITCHING, "rollout.partial=switch"))
+        lacking += [(who, why) for who, why in narrowing(cfg, backend) if not getattr(who.capabilities, cap)]
         if lacking:
             who, why = lacking[0]
             out.append((key, f"{key}={value} needs a rollout that can {WHAT[cap]} ({cap}); {why} selects "

@@ -36,10 +36,15 @@ def evaluate_path(path: Path, cfg: Config, num: int | None, pass_k: int) -> dict
         model.load_state_dict(weights, strict=True)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     manifest = build_manifest(state, "eval", 0, 0, tokenizer_hash(tokenizer), model_config_hash(model.config))
-    rollout = Rollout(model, tokenizer, cfg.rollout.device)
-    rollout.load(state, manifest)
-    data = setup.build_data(cfg, tokenizer)
-    return evaluate(rollout, manifest.version, data.eval, setup.build_reward_fn(cfg), tokenizer,
-                    cfg.rollout.max_new_tokens, num or cfg.eval.num, pass_k=pass_k,
-                    temperature=cfg.eval.temperature, seed=cfg.run.seed, num_scorers=cfg.reward.num_scorers,
-                    timeout_s=cfg.reward.timeout_s)
+    vllm = setup.vllm_options(cfg)   # the run's rollout.backend (auto said on stderr)
+    rollout = Rollout(model, tokenizer, cfg.rollout.device, vllm=vllm)
+    try:
+        rollout.load(state, manifest)
+        data = setup.build_data(cfg, tokenizer)
+        return evaluate(rollout, manifest.version, data.eval, setup.build_reward_fn(cfg), tokenizer,
+                        cfg.rollout.max_new_tokens, num or cfg.eval.num, pass_k=pass_k,
+                        temperature=cfg.eval.temperature, seed=cfg.run.seed, num_scorers=cfg.reward.num_scorers,
+                        timeout_s=cfg.reward.timeout_s)
+    finally:
+        if vllm is not None:
+            rollout.engine.close()

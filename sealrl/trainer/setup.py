@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from sealrl.config import Config, ConfigError
+from sealrl.config.rollout_backend import check_rollout_backend, resolve_rollout_backend
 from sealrl.data.dataset import PromptSet, load_prompts, prompts_from_rows
 from sealrl.data.sampler import PromptSampler
 from sealrl.data.tasks import EMBEDDED_TASK, make_task
@@ -30,6 +31,7 @@ from sealrl.roles.critic import Critic
 from sealrl.roles.reference import Reference
 from sealrl.roles.reward import Reward
 from sealrl.roles.rollout import Rollout
+from sealrl.rollout.vllm_engine import VllmOptions
 from sealrl.seams.rollout import RolloutClient
 from sealrl.sync.manifest import build_manifest
 from sealrl.trainer import adapters
@@ -220,9 +222,11 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
         actor = data_parallel_role(cfg, "actor", make_actor, actor, closers, shared)
     episodes = episode_spec(cfg)
     rows = (cfg.rollout.max_rows, cfg.rollout.continuous_batching)   # rollout/scheduler.py
-    rollout = Rollout(template, tokenizer, cfg.rollout.device, episodes=episodes, rows=rows) \
-        if cfg.placement.backend == "local" else ray_rollout_pool(cfg, model, tokenizer, closers, shared, episodes)
-    if cfg.placement.backend == "local":   # the local role's tool worker, if it plays episodes
+    vllm = vllm_options(cfg)   # None: the native engine
+    rollout = Rollout(template, tokenizer, cfg.rollout.device, episodes=episodes, rows=rows, vllm=vllm) \
+        if cfg.placement.backend == "local" else \
+        ray_rollout_pool(cfg, model, tokenizer, closers, shared, episodes, vllm)
+    if cfg.placement.backend == "local":   # the local role's tool worker and vLLM's engine process, if any
         closers.append(rollout.close)
     if base is not None:   # LoRA (local placement only): every version is an adapter on this base
         rollout.pin_base(adapters.plain_base_state(model), base)
@@ -253,6 +257,17 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
     reward = Reward(build_reward_fn(cfg), cfg.reward.num_scorers, cfg.reward.timeout_s, cfg.reward.scorer_memory_mb)
     return Roles(actor, rollout, reward, reference, critic, tokenizer, closers,
                  functools.partial(Rollout, template, tokenizer, episodes=episodes, rows=rows))
+
+
+def vllm_options(cfg: Config) -> VllmOptions | None:
+    """rollout.backend resolved (auto said once on stderr): the vLLM engine's options, or None for
+    the native engine (config/rollout_backend.py)."""
+    if resolve_rollout_backend(cfg) != "vllm":
+        return None
+    check_rollout_backend(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, backend="vllm")))
+    v = cfg.rollout.vllm
+    return VllmOptions(dtype=cfg.rollout.dtype, enforce_eager=v.enforce_eager, max_num_seqs=v.max_num_seqs,
+                       gpu_memory_utilization=v.gpu_memory_utilization, kv_cache_gb=v.kv_cache_gb)
 
 
 def shared_pool(cfg: Config, closers: list):
@@ -312,7 +327,7 @@ def episode_spec(cfg: Config):
                                                      e.max_observation_tokens, e.tool_timeout_s)
 
 
-def ray_rollout_pool(cfg: Config, model, tokenizer, closers: list, shared=None, episodes=None):
+def ray_rollout_pool(cfg: Config, model, tokenizer, closers: list, shared=None, episodes=None, vllm=None):
     """placement.backend=ray: `rollout_replicas` RolloutWorkers as Ray actors (standalone or
     colocated: rollout_pool_spec) behind a RolloutPool with the rollout role's interface, so
     the driver loop does not change. Weights reach them only through the two-phase,
@@ -332,7 +347,7 @@ def ray_rollout_pool(cfg: Config, model, tokenizer, closers: list, shared=None, 
     threads = max(1, int(p.cpus_per_replica / len(spec.roles)))
     # the structure only (weights arrive by sync): nothing of the actor's device is pickled
     make = functools.partial(Rollout, weightless_template(model), tokenizer, cfg.rollout.device, episodes=episodes,
-                             rows=(cfg.rollout.max_rows, cfg.rollout.continuous_batching))
+                             rows=(cfg.rollout.max_rows, cfg.rollout.continuous_batching), vllm=vllm)
     group = RayWorkerGroup("rollout", make, pool,
                            timeout_s=p.timeout_s, threads=threads)
     rollout = RolloutPool(group, timeout_s=p.timeout_s)
