@@ -19,6 +19,7 @@ from sealrl.models.tiny import build_tiny_model
 from sealrl.rewards.base import RewardSample
 from sealrl.rewards.pool import RewardPool
 from sealrl.trainer.driver import train
+from sealrl.trainer.iteration_metrics import is_wall_clock
 from sealrl.trainer.streaming import EarlyScores
 from tests.test_rewards_pool import Misbehave
 from tests.test_rollout_engine import encode, make_engine
@@ -176,8 +177,7 @@ BASE = ["run.iterations=3", "run.progress=false", "run.loggers=", "data.num_trai
 
 def _numbers(run: Path) -> list[list]:
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return [[(k, v) for k, v in r.items() if not (k.startswith("time/") or "_s" in k or "per_s" in k)]
-            for r in rows]
+    return [[(k, v) for k, v in r.items() if not (is_wall_clock(k) or "_s" in k)] for r in rows]
 
 
 def _files(run: Path) -> list:

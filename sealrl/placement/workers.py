@@ -170,6 +170,7 @@ def pools_from_config(pools: Mapping[str, Mapping[str, Any]]) -> dict[str, PoolS
 
 
 _LOCAL_RAY = False   # init_ray started a local Ray (not attached to a cluster)
+LOCAL_GRACE_S = 20.0  # how long a pool waits on the local Ray for resources a removed pool frees
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: int | None = None) -> None:
@@ -201,9 +202,9 @@ class PlacementError(UserError):
 
 class RayPool:
     """A created placement group for one PoolSpec (wait for it once, share it by its roles).
-    A request the cluster can never hold (more than its total, or more than is free on the local
-    Ray sealrl started, where nothing else will free anything) fails at once; on an attached
-    cluster a request past what is free waits up to `timeout_s` for other jobs to release it."""
+    A request past the cluster's total fails at once; one past what is free waits up to
+    `timeout_s` on an attached cluster (other jobs may release it) and LOCAL_GRACE_S on the local
+    Ray sealrl started, then fails: one line naming what was asked and what is there."""
 
     def __init__(self, spec: PoolSpec, timeout_s: float = 60.0) -> None:
         import ray
@@ -213,18 +214,20 @@ class RayPool:
             bundle["GPU"] = spec.num_gpus_per_worker
         self.spec = spec
         asked = {k: v * spec.num_workers for k, v in bundle.items()}
-        total, free = ray.cluster_resources(), ray.available_resources()
-        short = [k for k, v in asked.items() if v > total.get(k, 0.0) + 1e-9 or
-                 (_LOCAL_RAY and v > free.get(k, 0.0) + 1e-9)]
-        if short:
-            raise PlacementError(_placement_line(spec, bundle, asked, total, free, "cannot be placed"))
+        total = ray.cluster_resources()
+        if any(v > total.get(k, 0.0) + 1e-9 for k, v in asked.items()):
+            raise PlacementError(_placement_line(spec, bundle, asked, total, ray.available_resources(),
+                                                 "cannot be placed"))
         self.pg = placement_group([dict(bundle) for _ in range(spec.num_workers)], strategy="PACK")
-        ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
+        # the local Ray holds only this run's pools: what a short grace (Ray frees a removed
+        # group's resources asynchronously) does not free, nothing will
+        wait_s = min(timeout_s, LOCAL_GRACE_S) if _LOCAL_RAY else timeout_s
+        ready, _ = ray.wait([self.pg.ready()], timeout=wait_s)
         if not ready:
             from ray.util.placement_group import remove_placement_group
             remove_placement_group(self.pg)
             raise PlacementError(_placement_line(spec, bundle, asked, total, ray.available_resources(),
-                                                 f"was not free within placement.timeout_s={timeout_s:g}"))
+                                                 f"was not free within {wait_s:g} s"))
 
     def close(self) -> None:
         from ray.util.placement_group import remove_placement_group
