@@ -201,6 +201,16 @@ def test_real_run_report_and_loggers(real_run):
     html = write_report(run).read_text()
     samples = re.search(r'<table class="samples">(.*?)</table>', html, re.S).group(1)
     assert samples.count("<tr>") == 1 + 16 and "obs@2.0#" in samples  # samples of the last iteration
-    assert html.count('<svg class="chart"') == 6 and "no data" not in html
+    assert html.count('<svg class="chart"') == 7 and "no data" not in html   # + train vs rollout
     assert "wandb" not in loggers or list((run / "wandb").glob("offline-run-*/run-*.wandb"))
     assert "mlflow" not in loggers or list((run / "mlruns").glob("*/*/metrics/reward/mean"))
+
+
+def test_the_train_vs_rollout_mismatch_is_plotted_when_logged(tmp_path):
+    run = make_run(tmp_path / "run")
+    path = run / "metrics.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps({**r, "logprob/current_vs_rollout_abs_diff_max": 1e-6 * (i + 1),
+                                        "logprob/current_vs_rollout_k3": 1e-9}) + "\n" for i, r in enumerate(rows)))
+    html = render(run)
+    assert html.count('<svg class="chart"') == 7 and "Train vs rollout log-probs (first step)" in html

@@ -103,6 +103,10 @@ def charts(rows: list[dict], summary: dict) -> list[str]:
                                      _series(rows, "actor/clip_frac_lower", c[1], "lower (A < 0)"),
                                      _series(rows, "actor/clip_frac_dual", c[4], "dual")], "share of tokens"),
     ]
+    if any("logprob/current_vs_rollout_abs_diff_max" in r for r in rows):   # every mode (docs/metrics.md)
+        out.append(line_chart("Train vs rollout log-probs (first step)", [
+            _series(rows, "logprob/current_vs_rollout_abs_diff_max", c[0], "max |current - rollout|"),
+            _series(rows, "logprob/current_vs_rollout_k3", c[1], "k3 (mean)", dashed=True)], "nats / token"))
     if any("staleness/max" in r for r in rows):   # rollout.max_staleness >= 1 (docs/async.md)
         out.append(line_chart("Realised staleness", [_series(rows, "staleness/mean", c[0], "mean"),
                                                      _series(rows, "staleness/max", c[1], "max")],
