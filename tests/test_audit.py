@@ -458,3 +458,22 @@ def test_a_reward_no_scorer_process_answered_is_named(run):
     report = audit_run(run)
     assert report.failed_checks() == ["scorers"], report.summary()
     assert f"sample {gone}: reward ok but no scorer process answered it" in report.violations[0].message
+
+
+def test_an_iteration_stopped_during_its_update_is_in_flight_not_a_violation(tmp_path, monkeypatch, run):
+    from sealrl.trainer import driver as driver_module
+    real = driver_module.update
+
+    def killed_during_update(r, batch, version, it):
+        if it == 1:
+            raise RuntimeError("the process died during iteration 1's update")
+        return real(r, batch, version, it)
+    monkeypatch.setattr(driver_module, "update", killed_during_update)
+    with pytest.raises(RuntimeError, match="died during"):
+        _train(tmp_path, "stopped", ["run.checkpoint_every=1"])
+    report = audit_run(tmp_path / "stopped")
+    assert report.ok, report.summary()
+    assert report.notes and "iterations [1] were sealed but not consumed" in report.notes[0]
+    # a consumption missing for an iteration a checkpoint committed stays a violation
+    _edit_consumed(run, lambda rows: rows.pop())
+    assert "used_once" in audit_run(run).failed_checks()

@@ -53,6 +53,9 @@ def audit_run(run_dir: str | Path, checks: tuple[str, ...] = CHECK_NAMES) -> Aud
     report = AuditReport(str(run_dir), list(checks), num_iterations=len(run.files),
                          num_samples=sum(f.num_rows for f in run.files),
                          num_groups=sum(len(f.groups) for f in run.files), num_ledger_rows=len(run.ledger))
+    if run.in_flight:
+        report.notes.append(f"iterations {run.in_flight} were sealed but not consumed when the run stopped (no "
+                            "checkpoint commits them); resume=auto redoes them; no committed version learned from them")
     for name in checks:
         try:
             report.violations.extend(CHECKS[name](run))

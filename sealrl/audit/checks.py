@@ -99,6 +99,8 @@ def check_used_once(run: RunFolder) -> Iterator[Violation]:
                             f"{[c.get('consumed_step') for c in f.consumed]} in consumed.jsonl)", f.iteration)
             continue
         steps = set(f.cols["consumed_step"])
+        if None in steps and f.iteration in run.in_flight:   # stopped during its update: a note, not a fault
+            continue
         if None in steps:
             yield Violation("used_once", "consumed_step is not set: no update is recorded as consuming these samples "
                             "(no line in experience/consumed.jsonl; a run stopped during this iteration's update "

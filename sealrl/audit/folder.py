@@ -54,6 +54,10 @@ class RunFolder:
     ledger_errors: list[str]         # missing file, unparseable lines
     consumed: dict[int, list[dict]] = field(default_factory=dict)   # experience/consumed.jsonl by iteration
     consumed_errors: list[str] = field(default_factory=list)        # its unparseable lines
+    # Iterations sealed but not yet consumed when the run stopped (a crash or a kill during their
+    # update, or generated ahead by an asynchronous lane): at or past the latest checkpoint, with
+    # nothing after them consumed. No checkpoint commits them; resume=auto redoes them.
+    in_flight: list[int] = field(default_factory=list)
 
     def file(self, iteration: int) -> IterationFile | None:
         return next((f for f in self.files if f.iteration == iteration), None)
@@ -86,7 +90,15 @@ def load_run(run_dir: str | Path) -> RunFolder:
     ledger, errors = _read_ledger(path / "ledger.jsonl")
     meta = json.loads((path / "run.json").read_text()) if (path / "run.json").is_file() else {}
     return RunFolder(path, cfg, cfg.run.name, hash_line, content_hash, meta, files, ledger, errors,
-                     consumed, consumed_errors)
+                     consumed, consumed_errors, _in_flight(path, files, consumed))
+
+
+def _in_flight(path: Path, files: list[IterationFile], consumed: dict[int, list[dict]]) -> list[int]:
+    pointer = path / "checkpoints" / "latest"
+    name = pointer.read_text().strip() if pointer.is_file() else ""
+    committed = int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else 0
+    last_consumed = max(consumed, default=-1)
+    return [f.iteration for f in files if f.iteration >= committed and f.iteration > last_consumed]
 
 
 def _attach_consumption(f: IterationFile, lines: list[dict]) -> None:

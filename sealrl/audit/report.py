@@ -35,6 +35,7 @@ class AuditReport:
     num_samples: int = 0             # trained rows over all files
     num_groups: int = 0              # trained groups over all files
     num_ledger_rows: int = 0
+    notes: list[str] = field(default_factory=list)   # what is not a violation but a reader must know
 
     @property
     def ok(self) -> bool:
@@ -60,10 +61,11 @@ class AuditReport:
                 lines.append(f"  ... and {len(self.violations) - max_listed} more (--max-listed, --json)")
         else:
             lines.append(f"all {len(self.checks)} checks passed")
+        lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
     def to_json(self) -> str:
         return json.dumps({"run_dir": self.run_dir, "ok": self.ok, "checks": self.by_check(),
                            "num_iterations": self.num_iterations, "num_samples": self.num_samples,
                            "num_groups": self.num_groups, "num_ledger_rows": self.num_ledger_rows,
-                           "violations": [asdict(v) for v in self.violations]}, indent=1)
+                           "violations": [asdict(v) for v in self.violations], "notes": self.notes}, indent=1)
