@@ -199,8 +199,8 @@ def changed_cells(path: str | os.PathLike, limit: int = 5) -> list[str]:
     stored = meta.get("row_digests")
     if not stored:
         return []
-    now = read_iteration(path, verify=False).row_digests()
-    ids = [s.sample_id for s in read_iteration(path, verify=False).samples]
+    batch = read_iteration(path, verify=False)   # read once: its digests and its ids
+    now, ids = batch.row_digests(), batch.sample_ids
     if len(now["sample"]) != len(stored["sample"]):
         return [f"{len(now['sample'])} rows where {len(stored['sample'])} were sealed"]
     where = {d: i for i, d in enumerate(stored["sample"])}

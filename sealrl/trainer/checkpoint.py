@@ -40,7 +40,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_file(path: Path) -> None:
+def fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
 
@@ -83,7 +83,7 @@ def save_checkpoint(root: Path, step: int, tensors: dict[str, dict[str, torch.Te
     faults.point("checkpoint_after_marker", step)
     pointer = root / f"{LATEST}.tmp"
     pointer.write_text(final.name)
-    _fsync_file(pointer)
+    fsync_file(pointer)
     os.replace(pointer, root / LATEST)
     _fsync_dir(root)
     return final
@@ -100,11 +100,11 @@ def _write_parts(tmp: Path, step: int, tensors: dict[str, dict[str, torch.Tensor
         write(tmp / part)
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
     for p in files:
-        _fsync_file(p)
+        fsync_file(p)
     faults.point("checkpoint_before_marker", step)
     marker = {"step": step, "files": {str(p.relative_to(tmp)): _sha256(p) for p in files}}
     (tmp / MARKER).write_text(json.dumps(marker, sort_keys=True, indent=1))  # written last
-    _fsync_file(tmp / MARKER)
+    fsync_file(tmp / MARKER)
     _fsync_dir(tmp)
 
 
@@ -124,8 +124,7 @@ def resume_checkpoint(root: Path) -> Path | None:
     committed one that does, said on stderr (a corrupted latest checkpoint, or a `latest`
     pointer lost). None only when no checkpoint folder exists at all; CheckpointError when
     folders exist and none of them verifies."""
-    steps = sorted((p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()),
-                   key=lambda p: int(p.name[5:]), reverse=True)
+    steps = _step_folders(root)
     pointer = root / LATEST
     named = latest_checkpoint(root) if pointer.is_file() else None
     if named is None and not steps:
@@ -151,14 +150,19 @@ def resume_checkpoint(root: Path) -> Path | None:
     raise CheckpointError(f"{why}; and no earlier checkpoint in {root} is intact")
 
 
+def _step_folders(root: Path) -> list[Path]:
+    """The `step_N` folders under `root`, newest (largest N) first."""
+    return sorted((p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()),
+                  key=lambda p: int(p.name[5:]), reverse=True)
+
+
 def prune_checkpoints(root: Path, keep: int) -> list[str]:
     """Delete all but the newest `keep` committed checkpoints (the one `latest` names is always
     kept); `keep` 0 keeps every one. Returns the names deleted."""
     if keep <= 0:
         return []
     latest = latest_checkpoint(root)
-    steps = sorted((p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit() and (p / MARKER).is_file()),
-                   key=lambda p: int(p.name[5:]), reverse=True)
+    steps = [p for p in _step_folders(root) if (p / MARKER).is_file()]
     gone = [p for p in steps[keep:] if p != latest]
     for p in gone:
         shutil.rmtree(p)

@@ -22,6 +22,7 @@ from sealrl.rewards.base import reward_identity
 from sealrl.trainer.adapters import base_hash
 from sealrl.trainer.checkpoint import (
     CheckpointError,
+    fsync_file,
     load_checkpoint,
     optimizer_from_flat,
     optimizer_to_flat,
@@ -179,7 +180,7 @@ def forget_after(run_dir: Path, iteration: int) -> None:
             keep = [line for line in _readable_lines(path) if json.loads(line)["iteration"] < iteration]
             tmp = path.with_suffix(".tmp")
             tmp.write_text("".join(line + "\n" for line in keep))
-            _fsync(tmp)
+            fsync_file(tmp)
             os.replace(tmp, path)
 
 
@@ -206,12 +207,7 @@ def sync_logs(run_dir: Path) -> None:
     it covers can never be lost or torn by a crash after it."""
     for name in (*LOGS, "trace.json"):
         if (run_dir / name).is_file():
-            _fsync(run_dir / name)
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
+            fsync_file(run_dir / name)
 
 
 def forget_sealed_after(run_dir: Path, iteration: int) -> None:
