@@ -72,7 +72,7 @@ def one_run(args, k: int, seed: int, out: Path) -> dict:
     threads = args.lane_threads if k else args.sync_threads
     name = f"async_k{k}_s{seed}"
     overrides = [f"run.iterations={args.iterations}", f"run.name={name}", f"run.output_dir={out}", f"run.seed={seed}",
-                 "run.progress=false", f"run.threads={threads}", "run.eval_every=0", "run.checkpoint_every=0",
+                 f"run.threads={threads}", "run.eval_every=0", "run.checkpoint_every=0",
                  "run.max_wall_s=0", f"rollout.lane={args.lane}", f"actor.lr={args.lr}",
                  f"data.prompts_per_iter={args.prompts}", f"rollout.n={args.n}", f"eval.num={args.eval_num}",
                  f"data.num_eval={args.eval_num}",

@@ -1,4 +1,4 @@
-"""Continuous batching (rollout.continuous_batching) against fixed waves and the unbounded batch.
+"""Continuous batching (what runs use with rollout.max_rows > 0) against fixed waves and the unbounded batch.
 
 One generate call of `--prompts` requests x `--n` candidates, at most `--max-rows` rows decoding
 at once: in waves (each wave runs as long as its longest response) or continuously (waiting

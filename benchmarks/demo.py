@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
     from sealrl.trainer.driver import train
     out = Path(args.output_dir)
     shutil.rmtree(out / "demo_bench", ignore_errors=True)
-    cfg = load_config(str(CONFIG), [f"run.output_dir={out}", "run.name=demo_bench", "run.progress=false",
+    cfg = load_config(str(CONFIG), [f"run.output_dir={out}", "run.name=demo_bench",
                                     *args.overrides])
     s = train(cfg)
     result = {"train_wall_s": s["wall_s"], "accuracy_before": s["accuracy_before"],

@@ -64,7 +64,7 @@ def model_parity() -> dict:
     return out
 
 
-TRAIN = ["run.iterations=3", "run.progress=false", "run.loggers=", "run.checkpoint_every=0", "data.num_train=64",
+TRAIN = ["run.iterations=3", "run.loggers=", "run.checkpoint_every=0", "data.num_train=64",
          "eval.num=16", "data.prompts_per_iter=8", "rollout.n=4", "rollout.max_new_tokens=8", "run.seed=1",
          "algorithm.kl_coef=0.05", "actor.device=cuda", "critic.device=cuda", "reference.device=cuda",
          "rollout.device=cuda"]

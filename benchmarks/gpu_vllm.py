@@ -81,7 +81,7 @@ def grpo_on_vllm(dtype: str) -> dict:
     started = time.perf_counter()
     train(build_config(None, [
         "rollout.backend=vllm", f"rollout.dtype={dtype}", f"actor.dtype={dtype}", "actor.device=cuda",
-        "rollout.vllm.gpu_memory_utilization=0.2", "run.iterations=3", "run.progress=false", "run.loggers=",
+        "rollout.vllm.gpu_memory_utilization=0.2", "run.iterations=3", "run.loggers=",
         "run.checkpoint_every=0", "data.num_train=64", "eval.num=16", "data.prompts_per_iter=8", "rollout.n=4",
         "rollout.max_new_tokens=8", "algorithm.old_log_prob=recompute", f"run.output_dir={out}", "run.name=r"]))
     rows = [json.loads(x) for x in (out / "r" / "metrics.jsonl").read_text().splitlines()]

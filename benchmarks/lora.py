@@ -55,7 +55,7 @@ def worker(mode: str, model_dir: str, out: str, iterations: int, threads: int) -
     from sealrl.config import load_config
     from sealrl.trainer.driver import train
     cfg = load_config(None, [f"model.path={model_dir}", f"run.output_dir={out}", f"run.name={mode}",
-                             f"run.iterations={iterations}", "run.checkpoint_every=0", "run.progress=false",
+                             f"run.iterations={iterations}", "run.checkpoint_every=0",
                              f"run.threads={threads}", "data.prompts_per_iter=16", "rollout.n=8",
                              "rollout.max_new_tokens=64", "eval.num=16", "actor.micro_batch_size=32",
                              "algorithm.old_log_prob=bypass", "run.loggers=", *MODES[mode]])

@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--cpus-per-replica", type=float, default=1.0)
     args = ap.parse_args()
     common = [f"run.iterations={args.iterations}", "run.eval_every=0", "run.checkpoint_every=0",
-              "run.progress=false", "eval.num=50", "run.max_wall_s=0"]
+              "eval.num=50", "run.max_wall_s=0"]
     out = Path(tempfile.mkdtemp(prefix="sealrl-placement-"))
     result = {"iterations": args.iterations, "warmup": args.warmup, "replicas": args.replicas}
     for name, extra in (("local", []),

@@ -70,7 +70,7 @@ def run_once(args, out: Path, reward: Path, stream: bool, repeat: int) -> dict:
     cfg = load_config(str(CONFIG), [f"run.iterations={args.iterations}", f"data.prompts_per_iter={args.prompts}",
                                     f"rollout.n={args.n}", f"reward.fn={reward}:score",
                                     f"reward.num_scorers={args.scorers}", f"reward.stream={str(stream).lower()}",
-                                    f"run.threads={args.threads}", "run.progress=false", "run.loggers=",
+                                    f"run.threads={args.threads}", "run.loggers=",
                                     "run.max_wall_s=0", "run.checkpoint_every=0", "eval.num=4",
                                     f"run.output_dir={out}", f"run.name={name}"])
     summary = train(cfg)

@@ -8,9 +8,9 @@ config overrides) run in one process, alternating, so machine load drifts over a
 pass's FLOP utilisation is given against a matmul throughput measured in the same process.
 
     PYTHONPATH=. .venv/bin/python benchmarks/train_passes.py --threads 1 --repeats 3 \
-        --variant base: --variant keep:actor.logit_chunk_keep=true
+        --variant fast: --variant exact:run.exact=true
     PYTHONPATH=. .venv/bin/python benchmarks/train_passes.py --shape tiny --repeats 9 \
-        --variant base: --variant lean:actor.lean_forward=true
+        --variant fast: --variant memory:actor.logit_chunk_tokens=1024
 """
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ from sealrl.roles.reference import Reference  # noqa: E402
 
 V0 = PolicyVersion("run", 0, 0, "w0", "t0", "c0")
 TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "sealrl", "assets", "arith-tiny")
-# per shape: the model, and the actor keys vs_trl.py runs it with (the LM head chunked at mid)
-SHAPES = {"mid": (lambda: build_mid(0)[0], ["actor.logit_chunk_tokens=1024"]),
+# per shape: the model, and extra keys (none: both run sealrl's defaults, as vs_trl.py does)
+SHAPES = {"mid": (lambda: build_mid(0)[0], []),
           "tiny": (lambda: load_causal_lm(TINY)[0], [])}
 
 
@@ -94,8 +94,10 @@ def one_round(shape: str, model_state, variant: list[str], batch_args, seed: int
     model = build()
     model.load_state_dict(model_state)
     batch = make_batch(*batch_args)
-    ref = Reference(model, V0, 1.0, 0, 128, tf=common.teacher_forcing(cfg.actor))
-    actor = Actor(model, cfg.actor, cfg.algorithm, "run", "tok", 1.0, 0, 10, batch.num_response_tokens)
+    tf = common.teacher_forcing(cfg.actor, model, cfg.run.exact, batch_args[1])   # the run's path (setup.passes)
+    ref = Reference(model, V0, 1.0, 0, 128, tf=tf)
+    actor = Actor(model, cfg.actor, cfg.algorithm, "run", "tok", 1.0, 0, 10, batch.num_response_tokens,
+                  tf=tf, exact=cfg.run.exact)
     out = {}
     timed(out, "reference", lambda: ref.compute(batch))
     timed(out, "old_log_prob", lambda: actor.compute_old_log_probs(batch, V0))
@@ -113,14 +115,14 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--variant", action="append", default=[],
-                   help="NAME:key=value,key=value (actor/algorithm overrides); default base:")
+                   help="NAME:key=value,key=value (config overrides); default fast:")
     p.add_argument("--shape", choices=sorted(SHAPES), default="mid")
     p.add_argument("--response", type=int, default=0, help="response tokens (0: 64 at mid, 4 at tiny)")
     args = p.parse_args()
     response = args.response or (64 if args.shape == "mid" else 4)
     torch.set_num_threads(args.threads)
     variants = [(name, [x for x in keys.split(",") if x])
-                for name, keys in (v.split(":", 1) for v in args.variant or ["base:"])]
+                for name, keys in (v.split(":", 1) for v in args.variant or ["fast:"])]
     model = SHAPES[args.shape][0]()
     n_params = sum(q.numel() for q in model.parameters())
     state = {k: v.clone() for k, v in model.state_dict().items()}

@@ -6,13 +6,14 @@ template applied), 16 prompts x 8 completions per step, up to --max-new-tokens n
 temperature 1.0 (no top-k/top-p), reward 1/0 exact match of the arithmetic answer, group-normalised
 advantages, PPO-clip 0.2 token-mean loss (TRL's default `dapo`), KL to a frozen reference model
 (k3 in the loss, beta 0.04), one AdamW step per batch at a constant lr 1e-4, grad clip 1.0, fp32,
-no bf16, no gradient checkpointing, the whole 128-sample batch in one forward/backward.
+no bf16, no gradient checkpointing. TRL runs the whole 128-sample batch in one forward/backward
+(per_device_train_batch_size); sealrl runs its default micro-batch (64 samples: two per step).
 
 - sealrl: `train()` with the config below; per-iteration times are `time/iteration_s` of its
   metrics.jsonl (generation, reward, reference, old log-probs, update, weight sync, writing the
   sealed experience). sealrl runs its default `algorithm.old_log_prob=recompute` unless
-  --old-log-prob bypass is given; with one update step over one micro-batch (this workload) its
-  recompute forward is the update's own forward, run once (sealrl.roles.actor), as in TRL.
+  --old-log-prob bypass is given; with one update step per batch (this workload) its recompute
+  pass is the update's own forward and backward, run once (sealrl.roles.actor), as in TRL.
 - TRL: `GRPOTrainer` given the model folder (it rebuilds the reference model from it);
   per-step times are on_step_begin -> on_step_end of a callback (generation, reward,
   reference, update). With num_iterations=1 TRL takes the old log-probs from the update's own
@@ -27,15 +28,11 @@ Shapes (--shape): `tiny` the embedded model above; `mid` a random-init Qwen2 lay
 tied embeddings, 16,384-token vocabulary, 15.7M parameters; benchmarks/shapes.py), whose
 responses run to --max-new-tokens (64); `smollm2` the converted SmolLM2-135M-Instruct folder
 (--model-path, default models/smollm2-135m-instruct; skipped with a reason when absent) with
-its own tokenizer and chat template, 4 prompts x 8 unless --prompts says otherwise. On mid and
-smollm2 sealrl applies the LM head 1024 tokens at a time (actor.logit_chunk_tokens=1024, the
-memory-lean log-prob path), on mid keeping the chunks' logits for the update's backward
-(actor.logit_chunk_keep=true: one LM-head matmul less, 512 MiB more). On every shape sealrl's
-teacher-forced passes take the lean forward (actor.lean_forward=true) with each group's prompt
-run once (actor.share_prompts=true), and its AdamW the fused kernel (actor.fused_adamw=true):
-opt-in settings, within float rounding of the defaults, not bitwise. --sealrl-set adds other
-sealrl overrides, or undoes these (actor.lean_forward=false actor.share_prompts=false
-actor.fused_adamw=false: sealrl's defaults), e.g. actor.dtype=bf16.
+its own tokenizer and chat template, 4 prompts x 8 unless --prompts says otherwise. sealrl
+runs its defaults, no speed key set: the fast path (roles/common.teacher_forcing: the lean
+forward with each group's prompt run once, the LM head 1024 tokens at a time with its logits
+kept, fused AdamW). --sealrl-set adds sealrl overrides, e.g. run.exact=true (the bitwise HF
+path) or actor.dtype=bf16.
 
 Useful model FLOPs per step (N = number of model parameters, P_g = prompt tokens of group g,
 R_i = response tokens of sample i, T = sum_g P_g + sum_i R_i: a group's n samples share their
@@ -45,13 +42,13 @@ prompt, so its tokens are needed once per group in every pass):
       + 2 N T                               reference log-probs
       + 6 N T                               policy update (forward + backward)
 
-Counting the prompt once per group is what a pass that shares it computes (sealrl's
-actor.share_prompts, set on mid and smollm2); a side that runs each sample's own copy of its
+Counting the prompt once per group is what a pass that shares it computes (sealrl's fast
+path); a side that runs each sample's own copy of its
 prompt does more work than F counts. Until session 9 the teacher-forced passes counted every
 sample's copy (T = sum_i (P_i + R_i)), which gives a higher frac_of_matmul for the same time.
 
-No side runs a separate old-log-prob forward here: with one update step over one micro-batch
-both take the old log-probs from the update's own forward.
+No side runs a separate old-log-prob forward here: with one update step per batch both take
+the old log-probs from the update's own forward.
 
 `useful_gflops` = F / median step time / 1e9, and `frac_of_matmul` = that / this machine's fp32
 matmul throughput at the same thread count (median of 15 1024x1024x1024 matmuls, measured before and after the
@@ -87,11 +84,8 @@ from sealrl.data.tasks import EMBEDDED_TASK  # noqa: E402
 from sealrl.rewards.verifiers import answer_text  # noqa: E402
 
 PROMPTS, N_GEN, BETA, LR, NUM_TRAIN, SEED = 16, 8, 0.04, 1e-4, 2000, 0   # PROMPTS: set from --prompts/--shape
-# every shape: the lean teacher-forced forward (within 1e-5 of HF's), each group's prompt run once,
-# the fused AdamW kernel (equal to rounding): sealrl's opt-in speed settings, none of them bitwise
-OPT_IN = ["actor.lean_forward=true", "actor.share_prompts=true", "actor.fused_adamw=true"]
-SHAPE_SETS = {"tiny": OPT_IN, "mid": ["actor.logit_chunk_tokens=1024", "actor.logit_chunk_keep=true", *OPT_IN],
-              "smollm2": ["actor.logit_chunk_tokens=1024", "data.max_prompt_tokens=256", *OPT_IN]}
+# the workload's own keys per shape; no speed key (sealrl's defaults)
+SHAPE_SETS = {"tiny": [], "mid": [], "smollm2": ["data.max_prompt_tokens=256"]}
 
 
 def parse_args() -> argparse.Namespace:
@@ -146,7 +140,7 @@ def run_sealrl(args, workdir: Path, name: str) -> dict:
     from sealrl.trainer.driver import train
     cfg = build_config(None, [
         f"model.path={args.model}", f"run.output_dir={workdir}", f"run.name={name}",
-        f"run.iterations={args.steps}", "run.progress=false",
+        f"run.iterations={args.steps}",
         "run.loggers=", f"run.threads={args.threads}", f"run.seed={SEED}", "eval.num=16",
         "data.task=arith", f"data.num_train={NUM_TRAIN}", f"data.prompts_per_iter={PROMPTS}",
         f"rollout.n={N_GEN}", "rollout.temperature=1.0", f"rollout.max_new_tokens={args.max_new_tokens}",
@@ -154,7 +148,7 @@ def run_sealrl(args, workdir: Path, name: str) -> dict:
         f"algorithm.old_log_prob={args.old_log_prob}",
         f"actor.lr={LR}", "actor.lr_schedule=constant", "actor.loss=clip", "actor.loss_agg=token-mean",
         "actor.clip_low=0.2", "actor.clip_high=0.2", "actor.grad_clip=1.0",
-        f"actor.micro_batch_size={PROMPTS * N_GEN}", *SHAPE_SETS[args.shape], *args.sealrl_set,
+        *SHAPE_SETS[args.shape], *args.sealrl_set,
     ])
     train(cfg)
     run = workdir / name

@@ -22,7 +22,7 @@ from sealrl.trainer import driver as driver_module
 from sealrl.trainer import setup as trainer_setup
 from sealrl.trainer.driver import train
 
-BASE = ["run.iterations=3", "run.progress=false", "run.loggers=", "data.num_train=48", "eval.num=4",
+BASE = ["run.iterations=3", "run.loggers=", "data.num_train=48", "eval.num=4",
         "data.prompts_per_iter=4", "rollout.n=4", "rollout.max_new_tokens=5", "actor.micro_batch_size=16",
         "actor.lr=1e-3", "run.seed=1"]
 

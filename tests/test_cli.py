@@ -31,7 +31,7 @@ def test_help():
 
 @pytest.mark.slow
 def test_eval_run_checkpoint_and_model_folder(tmp_path, capsys):
-    cfg = build_config(None, [f"run.output_dir={tmp_path}", "run.name=ev", "run.iterations=2", "run.progress=false",
+    cfg = build_config(None, [f"run.output_dir={tmp_path}", "run.name=ev", "run.iterations=2",
                               "run.checkpoint_every=1", "data.num_train=32", "eval.num=20", "data.prompts_per_iter=4",
                               "rollout.n=2"])
     summary = train(cfg)
@@ -57,7 +57,7 @@ def test_a_wall_cap_stops_cleanly_at_an_iteration_boundary(tmp_path):
     cfg = tmp_path / "empty.yaml"
     cfg.write_text("{}\n")
     out = _cli("train", str(cfg), f"run.output_dir={tmp_path}", "run.name=cap", "run.iterations=5",
-               "run.max_wall_s=0.001", "run.progress=false", "data.num_train=16", "eval.num=4",
+               "run.max_wall_s=0.001", "data.num_train=16", "eval.num=4",
                "data.prompts_per_iter=2", "rollout.n=2", "run.loggers=")
     assert out.returncode == 0, out.stderr[-800:]
     assert "stopped at the wall cap (run.max_wall_s=0.001) after 1 of 5 iterations" in out.stderr

@@ -98,7 +98,7 @@ def test_bf16_rollout_weights_are_checksummed_over_their_own_bytes():
     assert rollout.version.weights_hash == manifest16.version.weights_hash
 
 
-BASE = ["run.iterations=2", "run.progress=false", "run.loggers=", "data.num_train=32", "eval.num=4",
+BASE = ["run.iterations=2", "run.loggers=", "data.num_train=32", "eval.num=4",
         "data.prompts_per_iter=4", "rollout.n=4", "rollout.max_new_tokens=5", "actor.micro_batch_size=16",
         "actor.lr=1e-3", "run.seed=1", "run.threads=1", "run.checkpoint_every=0"]
 

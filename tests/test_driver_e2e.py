@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow   # end-to-end runs of the driver (one on Ray)
 def small_cfg(tmp_path, model_dir, *extra):
     return build_config(None, [
         f"model.path={model_dir}", f"run.output_dir={tmp_path}", "run.name=e2e", "run.iterations=2",
-        "run.progress=false", "run.checkpoint_every=1", "data.num_train=64", "eval.num=16",
+        "run.checkpoint_every=1", "data.num_train=64", "eval.num=16",
         "data.prompts_per_iter=4", "rollout.n=4", "rollout.max_new_tokens=4", "actor.micro_batch_size=8",
         *extra])
 

@@ -13,7 +13,7 @@ from sealrl.trainer.driver import train
 
 # the warm-start model is sure of most arithmetic prompts (all right or all wrong): groups of 8
 # with zero variance are the common case, as late in the demo
-BASE = ["run.iterations=2", "run.progress=false", "data.num_train=48", "eval.num=8", "data.prompts_per_iter=4",
+BASE = ["run.iterations=2", "data.num_train=48", "eval.num=8", "data.prompts_per_iter=4",
         "rollout.n=8", "rollout.max_new_tokens=5", "actor.micro_batch_size=8", "actor.lr=1e-4", "run.seed=1",
         "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=4"]
 

@@ -34,7 +34,7 @@ class DigitEnv:
 def cfg(tmp_path, model_dir, *extra):
     return build_config(None, [
         f"model.path={model_dir}", f"run.output_dir={tmp_path}", "run.name=mt", "run.iterations=2",
-        "run.progress=false", "run.checkpoint_every=1", "run.threads=1", "data.num_train=32", "eval.num=8",
+        "run.checkpoint_every=1", "run.threads=1", "data.num_train=32", "eval.num=8",
         "data.prompts_per_iter=4", "rollout.n=2", "rollout.max_new_tokens=6", "actor.micro_batch_size=8",
         f"env.name={__file__}:DigitEnv", "env.max_turns=3", "env.max_tokens=20", "env.max_observation_tokens=2",
         *extra])

@@ -105,7 +105,7 @@ def test_two_iterations_train_on_the_converted_data(tmp_path, data_dir):
     cfg = load_config(str(BYO / "byo_grpo.yaml"), [
         f"data.train_file={data_dir / 'train.parquet'}",
         f"data.eval_file={data_dir / 'test.parquet'}", f"run.output_dir={tmp_path}", "run.iterations=2",
-        "run.eval_every=0", "run.checkpoint_every=0", "run.progress=false", "run.threads=1",
+        "run.eval_every=0", "run.checkpoint_every=0", "run.threads=1",
         "run.loggers="])
     summary = train(cfg)
     run = tmp_path / "byo_grpo"

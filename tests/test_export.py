@@ -32,7 +32,7 @@ def test_checkpoints_and_final_policy_load_in_transformers(tmp_path):
     # update changes the weights
     summary = train(build_config(None, [
         f"run.output_dir={tmp_path}", "run.name=exp", "run.iterations=2", "run.checkpoint_every=1",
-        "run.progress=false", "run.threads=1", "data.num_train=64", "eval.num=8", "data.prompts_per_iter=8",
+        "run.threads=1", "data.num_train=64", "eval.num=8", "data.prompts_per_iter=8",
         "rollout.n=4", "rollout.max_new_tokens=5", "actor.micro_batch_size=32", "algorithm.name=ppo"]))
     run = tmp_path / "exp"
     hashes = {}

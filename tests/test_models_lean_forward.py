@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from sealrl.config import ConfigError, build_config
 from sealrl.models.critic import CriticModel
@@ -132,9 +132,17 @@ def test_unsupported_falls_back_to_hf_bitwise():
         "attention dropout is in force"
 
 
-def test_config_key_reaches_every_pass():
-    assert teacher_forcing(build_config(None, ["actor.lean_forward=true"]).actor).lean is True
-    assert teacher_forcing(build_config(None, []).actor).lean is False
+def test_the_fast_path_is_chosen_for_the_model_and_run_exact_is_the_hf_path():
+    cfg = build_config(None, ["actor.micro_batch_size=20"]).actor
+    fast = teacher_forcing(cfg, qwen2_gqa_tied(), exact=False, group=8)
+    assert (fast.lean, fast.share_prompts, fast.chunk, fast.keep_logits) == (True, True, 1024, True)
+    assert fast.micro_batch_size == 16   # whole groups of 8 in a micro-batch
+    exact = teacher_forcing(cfg, qwen2_gqa_tied(), exact=True, group=8)
+    assert exact == TeacherForcing(micro_batch_size=20)   # the HF reference path: padded, whole head
+    gpt2 = teacher_forcing(cfg, GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40)), False)
+    assert (gpt2.lean, gpt2.pack, gpt2.chunk) == (False, False, 1024)   # no lean forward: HF padded, chunked head
+    memory = teacher_forcing(build_config(None, ["actor.logit_chunk_tokens=256"]).actor, qwen2_gqa_tied(), False)
+    assert (memory.chunk, memory.keep_logits) == (256, False)   # an explicit chunk recomputes (less memory)
 
 
 # groups of samples with one prompt (a GRPO batch), a lone prompt, an empty response
@@ -181,8 +189,7 @@ def test_shared_prompts_critic_values_equal_hf():
         assert (g0[n] - g1[n]).abs().max() <= TOL * max(1.0, g0[n].abs().max().item()), n
 
 
-def test_share_prompts_needs_the_lean_forward():
-    cfg = build_config(None, ["actor.lean_forward=true", "actor.share_prompts=true"]).actor
-    assert teacher_forcing(cfg).share_prompts is True
-    with pytest.raises(ConfigError, match="actor.share_prompts"):
-        build_config(None, ["actor.share_prompts=true"])
+def test_the_removed_speed_keys_say_what_replaced_them():
+    for key in ("actor.lean_forward", "actor.share_prompts", "actor.pack_sequences", "actor.fused_adamw"):
+        with pytest.raises(ConfigError, match=f"{key} was removed: .*run.exact=true"):
+            build_config(None, [f"{key}=true"])

@@ -15,7 +15,7 @@ from sealrl.models.logprobs import response_log_probs
 from sealrl.models.packing import TeacherForcing, pack_sequences, packed_log_probs, packed_values, partition_by_tokens
 from sealrl.models.tiny import build_tiny_model
 from sealrl.roles.actor import Actor
-from sealrl.roles.common import batch_log_probs
+from sealrl.roles.common import batch_log_probs, teacher_forcing
 from sealrl.roles.critic import Critic
 from tests.test_placement_dp import HORIZON, V0, make_batch, make_model
 
@@ -111,9 +111,12 @@ def test_values_and_value_loss_packed_equal_padded():
 
 # ---- the roles: partition invariance --------------------------------------------------------
 
-def _actor(*overrides):
+def _actor(*overrides, fast: bool = False):
+    """An actor on the HF reference path (run.exact's), or with `fast` on the run's fast path."""
     cfg = build_config(None, ["actor.micro_batch_size=16", "actor.lr=1e-3", "actor.entropy_coef=0.01", *overrides])
-    return Actor(make_model(), cfg.actor, cfg.algorithm, "run", "tok", 1.0, 0, 10, HORIZON)
+    model = make_model()
+    return Actor(model, cfg.actor, cfg.algorithm, "run", "tok", 1.0, 0, 10, HORIZON,
+                 tf=teacher_forcing(cfg.actor, model, exact=not fast), exact=not fast)
 
 
 def _update_grads(actor):
@@ -131,9 +134,9 @@ def _update_grads(actor):
 def test_actor_loss_and_gradients_are_invariant_to_the_partition(mode):
     kl = ("algorithm.kl_coef=0.1", "algorithm.kl_in=loss", f"actor.loss_agg={mode}")
     m0, g0 = _update_grads(_actor(*kl))
-    for extra in (["actor.max_tokens_per_micro_batch=12"], ["actor.max_tokens_per_micro_batch=25",
-                                                           "actor.pack_sequences=true", "actor.logit_chunk_tokens=5"]):
-        m1, g1 = _update_grads(_actor(*kl, *extra))
+    for extra, fast in ((["actor.max_tokens_per_micro_batch=12"], False),
+                        (["actor.max_tokens_per_micro_batch=25", "actor.logit_chunk_tokens=5"], True)):
+        m1, g1 = _update_grads(_actor(*kl, *extra, fast=fast))
         for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
             assert m1[k] == pytest.approx(m0[k], rel=1e-5, abs=1e-6), (extra, k)
         for a, b in zip(g0, g1):

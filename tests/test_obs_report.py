@@ -147,7 +147,7 @@ def real_run(tmp_path_factory):
     try:
         train(build_config(None, [
             f"model.path={tmp / 'model'}", f"run.output_dir={tmp}", "run.name=obs", "run.iterations=3",
-            "run.eval_every=2", "run.progress=false", "run.checkpoint_every=0", "data.num_train=64",
+            "run.eval_every=2", "run.checkpoint_every=0", "data.num_train=64",
             "eval.num=8", "data.prompts_per_iter=4", "rollout.n=4", "rollout.max_new_tokens=4",
             "actor.micro_batch_size=16", "algorithm.kl_coef=0.01", f"run.loggers={','.join(loggers)}"]))
     finally:

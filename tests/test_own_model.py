@@ -121,7 +121,7 @@ def test_two_iterations_train_on_those_ids_with_rollout_parity(bpe_model_dir, tm
     cfg = build_config(None, [
         f"model.path={folder}", "data.task=file", f"data.train_file={rows}", f"data.eval_file={rows}",
         "data.max_prompt_tokens=128", "data.prompts_per_iter=3", "rollout.n=2", "rollout.max_new_tokens=6",
-        "algorithm.kl_coef=0.0", "actor.micro_batch_size=6", "run.iterations=2", "run.progress=false",
+        "algorithm.kl_coef=0.0", "actor.micro_batch_size=6", "run.iterations=2",
         f"run.output_dir={tmp_path}", "run.name=bpe", "run.threads=1", "run.checkpoint_every=1"])
     summary = train(cfg)
     assert summary["completed"] and summary["iterations"] == 2
@@ -152,7 +152,7 @@ def test_an_architecture_without_the_lean_path_trains_on_the_hf_forward(tmp_path
     save_causal_lm(model, tok, tmp_path / "neox")
     summary = train(build_config(None, [
         f"model.path={tmp_path / 'neox'}", f"run.output_dir={tmp_path}", "run.name=neox", "run.iterations=2",
-        "run.progress=false", "run.threads=1", "data.num_train=32", "eval.num=4", "data.prompts_per_iter=4",
+        "run.threads=1", "data.num_train=32", "eval.num=4", "data.prompts_per_iter=4",
         "rollout.n=2", "rollout.max_new_tokens=4", "actor.micro_batch_size=8", "algorithm.kl_coef=0.0"]))
     assert summary["completed"]
     notices = [x for x in capsys.readouterr().err.splitlines() if x.startswith("sealrl: rollout runs")]

@@ -28,7 +28,7 @@ from sealrl.trainer.pipeline import Produced, admit, staleness, staleness_metric
 from sealrl.trainer.state import IllegalTransition, Phase, StateMachine
 from tests.test_audit import _iter, _reseal, _rewrite
 
-BASE = ["run.iterations=4", "run.progress=false", "run.loggers=", "data.num_train=48", "eval.num=4",
+BASE = ["run.iterations=4", "run.loggers=", "data.num_train=48", "eval.num=4",
         "data.prompts_per_iter=4", "rollout.n=4", "rollout.max_new_tokens=5", "actor.micro_batch_size=16",
         "actor.lr=1e-3", "run.seed=1", "run.threads=1", "run.checkpoint_every=2"]
 

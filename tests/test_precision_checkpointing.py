@@ -65,10 +65,10 @@ def test_bf16_reference_holds_bf16_weights_and_fp32_log_probs():
     assert 0 < diff <= 0.1
 
 
-@pytest.mark.parametrize("extra", [[], ["actor.pack_sequences=true", "actor.logit_chunk_tokens=4"]])
-def test_gradient_checkpointing_equals_the_plain_actor_update(extra):
-    m0, g0 = _update_grads(_actor(*extra))
-    actor = _actor("actor.gradient_checkpointing=true", *extra)
+@pytest.mark.parametrize("extra, fast", [([], False), (["actor.logit_chunk_tokens=4"], True)])
+def test_gradient_checkpointing_equals_the_plain_actor_update(extra, fast):
+    m0, g0 = _update_grads(_actor(*extra, fast=fast))
+    actor = _actor("actor.gradient_checkpointing=true", *extra, fast=fast)
     assert actor.model.is_activation_checkpointing
     m1, g1 = _update_grads(actor)
     assert m1["actor/pg_loss"] == pytest.approx(m0["actor/pg_loss"], rel=1e-6)
@@ -78,12 +78,12 @@ def test_gradient_checkpointing_equals_the_plain_actor_update(extra):
 
 def test_gradient_checkpointing_equals_the_plain_critic_update():
     out = []
-    for on in ("false", "true"):
-        cfg = build_config(None, ["algorithm.name=ppo", f"critic.gradient_checkpointing={on}"])
+    for on in (False, True):   # the critic follows actor.gradient_checkpointing (trainer/setup.py)
+        cfg = build_config(None, ["algorithm.name=ppo"])
         torch.manual_seed(0)
         critic = Critic(CriticModel.from_causal_lm(make_model()), cfg.critic, 0, 16, "token-mean", HORIZON,
-                        tf=TeacherForcing(micro_batch_size=3))
-        assert critic.model.backbone.is_activation_checkpointing == (on == "true")
+                        tf=TeacherForcing(micro_batch_size=3), checkpointing=on)
+        assert critic.model.backbone.is_activation_checkpointing == on
         batch = make_batch()
         critic.compute(batch)
         batch.put("returns", batch.get("advantages") + batch.get("values"), "driver", "test")
@@ -98,7 +98,7 @@ def test_gradient_checkpointing_equals_the_plain_critic_update():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_chunked_packed_bf16_update_runs_on_the_device():
-    actor = _actor("actor.dtype=bf16", "actor.pack_sequences=true", "actor.logit_chunk_tokens=4")
+    actor = _actor("actor.dtype=bf16", "actor.logit_chunk_tokens=4", fast=True)
     actor.model.cuda()
     actor.optimizer = actor.make_optimizer()
     metrics, grads = _update_grads(actor)
@@ -107,12 +107,12 @@ def test_cuda_chunked_packed_bf16_update_runs_on_the_device():
 
 
 def test_fused_adamw_takes_the_default_steps_up_to_rounding():
-    """actor.fused_adamw / critic.fused_adamw: torch's fused kernel, the same AdamW update as the
-    default loop to float rounding (three real steps, then the weights compared); off, the
-    default is the per-parameter loop on the CPU."""
+    """The fast path's AdamW (actor and critic): torch's fused kernel, the same AdamW update as
+    the default loop to float rounding (three real steps, then the weights compared); with
+    run.exact the default, the per-parameter loop on the CPU."""
     weights = {}
     for fused in (False, True):
-        actor = _actor(f"actor.fused_adamw={str(fused).lower()}")
+        actor = _actor(fast=fused)
         assert actor.optimizer.defaults["fused"] is (True if fused else None)
         for step in range(3):
             actor.update(make_batch(), V0, step, step, kl_coef=0.0)
@@ -121,6 +121,6 @@ def test_fused_adamw_takes_the_default_steps_up_to_rounding():
     moved = max(float((a - b).abs().max()) for a, b in zip(weights[False], start))
     assert moved > 1e-4   # the steps moved the weights (lr 1e-3)
     assert max(float((a - b).abs().max()) for a, b in zip(weights[False], weights[True])) <= 1e-6
-    cfg = build_config(None, ["algorithm.name=ppo", "critic.fused_adamw=true"])
-    critic = Critic(CriticModel.from_causal_lm(make_model()), cfg.critic, 0, 16, "token-mean", HORIZON)
+    cfg = build_config(None, ["algorithm.name=ppo"])
+    critic = Critic(CriticModel.from_causal_lm(make_model()), cfg.critic, 0, 16, "token-mean", HORIZON, fused=True)
     assert critic.optimizer.defaults["fused"] is True

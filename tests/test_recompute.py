@@ -16,7 +16,7 @@ from sealrl.experience.store import read_iteration, read_table
 from sealrl.trainer.driver import train
 from sealrl.trainer.recompute import add_parser, recompute_run
 
-BASE = ["run.iterations=2", "run.progress=false", "data.num_train=48", "eval.num=8", "run.loggers=",
+BASE = ["run.iterations=2", "data.num_train=48", "eval.num=8", "run.loggers=",
         "data.prompts_per_iter=4", "rollout.n=4", "rollout.max_new_tokens=5", "actor.micro_batch_size=6",
         "actor.lr=1e-3", "run.seed=1"]
 RUNS = {

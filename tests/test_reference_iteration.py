@@ -24,7 +24,7 @@ LR, BETAS, ADAM_EPS, MAX_NORM, CLIP = 1e-4, (0.9, 0.999), 1e-6, 1.0, 0.2
 
 def _run(tmp_path, *extra):
     cfg = build_config(None, [
-        f"run.output_dir={tmp_path}", "run.name=ref", "run.iterations=1", "run.progress=false",
+        f"run.output_dir={tmp_path}", "run.name=ref", "run.iterations=1",
         "data.num_train=64", "eval.num=8", "data.prompts_per_iter=6", "rollout.n=4",
         "rollout.max_new_tokens=5", "actor.micro_batch_size=7", f"actor.lr={LR}",
         f"actor.adam_eps={ADAM_EPS}", f"critic.adam_eps={ADAM_EPS}", "run.seed=3", *extra])

@@ -10,7 +10,7 @@ from sealrl.trainer.checkpoint import CheckpointError
 from sealrl.trainer.driver import train
 from tests.helpers_resume import learned_metrics, straight_and_resumed
 
-ARGS = ["run.name=r", "run.iterations=6", "run.progress=false", "run.checkpoint_every=1",
+ARGS = ["run.name=r", "run.iterations=6", "run.checkpoint_every=1",
         "run.threads=1", "data.num_train=40", "eval.num=8", "data.prompts_per_iter=4", "rollout.n=4",
         "rollout.max_new_tokens=5", "actor.micro_batch_size=8", "actor.lr=1e-3", "actor.ppo_epochs=2",
         "actor.mini_batch_size=8", "actor.lr_schedule=cosine", "actor.warmup_steps=2"]

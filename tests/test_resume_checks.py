@@ -26,7 +26,7 @@ from sealrl.trainer import position, setup
 from sealrl.trainer.checkpoint import CheckpointError, verify_checkpoint
 from sealrl.trainer.driver import train
 
-TINY = ["run.name=t", "run.progress=false", "run.threads=1", "run.loggers=", "data.num_train=16",
+TINY = ["run.name=t", "run.threads=1", "run.loggers=", "data.num_train=16",
         "eval.num=2", "data.prompts_per_iter=2", "rollout.n=2", "rollout.max_new_tokens=2",
         "actor.micro_batch_size=4"]
 

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow   # fault drills through the driver
 # The deadline under test: a scorer call on a ready worker takes milliseconds; a slow call sleeps
 # 600 s. Deadlines start at dispatch, never while a replacement worker boots.
 TIMEOUT_S = 5.0
-ARGS = ["run.name=t", "run.iterations=4", "run.progress=false", "run.threads=1", "run.loggers=",
+ARGS = ["run.name=t", "run.iterations=4", "run.threads=1", "run.loggers=",
         "data.num_train=40", "eval.num=4", "data.prompts_per_iter=3", "rollout.n=4", "rollout.max_new_tokens=5",
         "actor.micro_batch_size=6", "actor.lr=1e-3", "algorithm.reward_error=penalty"]
 

@@ -170,7 +170,7 @@ def score(response, ground_truth, sample_id):
         raise ValueError("no ones for candidate 3")
     return float(response.strip() == str(ground_truth))
 '''
-BASE = ["run.iterations=3", "run.progress=false", "run.loggers=", "data.num_train=48", "eval.num=4",
+BASE = ["run.iterations=3", "run.loggers=", "data.num_train=48", "eval.num=4",
         "data.prompts_per_iter=4", "rollout.n=4", "rollout.max_new_tokens=5", "actor.micro_batch_size=16",
         "actor.lr=1e-3", "run.seed=1", "run.threads=1", "run.eval_every=0", "reward.num_scorers=2"]
 

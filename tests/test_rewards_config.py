@@ -24,7 +24,7 @@ from sealrl.rewards.base import RewardSample
 from sealrl.rewards.from_config import build_reward
 from sealrl.rewards.pool import RewardPool
 
-TINY = {"run": {"name": "t", "iterations": 2, "progress": False, "loggers": "", "threads": 1, "seed": 1},
+TINY = {"run": {"name": "t", "iterations": 2, "loggers": "", "threads": 1, "seed": 1},
         "data": {"num_train": 48, "prompts_per_iter": 4}, "eval": {"num": 4},
         "rollout": {"n": 4, "max_new_tokens": 5}, "actor": {"micro_batch_size": 16, "lr": 1e-3}}
 

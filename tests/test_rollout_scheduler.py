@@ -94,7 +94,8 @@ def test_hf_backend_runs_waves():
 
 
 def test_config_keys():
-    cfg = build_config(None, ["rollout.max_rows=64", "rollout.continuous_batching=true"])
-    assert (cfg.rollout.max_rows, cfg.rollout.continuous_batching) == (64, True)
+    assert build_config(None, ["rollout.max_rows=64"]).rollout.max_rows == 64
+    with pytest.raises(Exception, match="rollout.continuous_batching was removed: rows are always admitted"):
+        build_config(None, ["rollout.continuous_batching=true"])
     with pytest.raises(Exception, match="rollout.max_rows"):
         build_config(None, ["rollout.max_rows=-1"])

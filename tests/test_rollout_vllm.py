@@ -31,7 +31,6 @@ PROMPTS = ["12+34=", "7+8=", "40+2=", "99+1="]
     ("rollout.max_staleness=1", "max_staleness"),
     ("rollout.top_p=0.9", "top_p=1"),
     ("rollout.top_k=5", "top_k=0"),
-    ("rollout.max_rows=8", "max_rows"),
     ("reward.stream=true,reward.num_scorers=1", "reward.stream"),
 ])
 def test_what_the_vllm_backend_lacks_is_refused_at_load_in_one_line(override, says):
@@ -44,8 +43,8 @@ def test_what_the_vllm_backend_lacks_is_refused_at_load_in_one_line(override, sa
 def test_unknown_backend_and_bad_vllm_keys_are_refused():
     with pytest.raises(ConfigError, match="rollout.backend must be auto | native | vllm"):
         build_config(None, ["rollout.backend=sglang"])
-    with pytest.raises(ConfigError, match="rollout.vllm.max_num_seqs must be >= 1"):
-        build_config(None, ["rollout.vllm.max_num_seqs=0"])
+    with pytest.raises(ConfigError, match="rollout.vllm.max_num_seqs was removed: rollout.max_rows"):
+        build_config(None, ["rollout.vllm.max_num_seqs=8"])
 
 
 @pytest.mark.skipif(HAVE_VLLM, reason="checks the message where vLLM is missing; it is installed here")
@@ -259,7 +258,7 @@ def _short_run(tmp_path, example: str, *extra: str) -> Path:
     from sealrl.trainer.driver import train
     cfg = load_config(str(Path(__file__).resolve().parents[1] / "examples" / example), [
         "rollout.backend=vllm", "run.iterations=2", f"run.output_dir={tmp_path}", "run.name=vllm",
-        "run.progress=false", "run.checkpoint_every=1", "run.eval_every=0", "eval.num=16", "data.num_train=64",
+        "run.checkpoint_every=1", "run.eval_every=0", "eval.num=16", "data.num_train=64",
         "data.prompts_per_iter=8", "rollout.n=4", "rollout.temperature=1.5", "algorithm.old_log_prob=recompute",
         "run.threads=1", *extra])
     train(cfg)

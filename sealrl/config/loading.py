@@ -25,6 +25,27 @@ def resumable_keys() -> frozenset[tuple[str, str]]:
                      for f in fields(cls) if f.metadata.get("resumable"))
 
 
+# Keys that were removed, and what replaced them (a config written for an older sealrl says why).
+_FAST = "the fast path is the default now; run.exact=true selects the bitwise Hugging Face path"
+REMOVED = {
+    "actor.lean_forward": _FAST, "actor.share_prompts": _FAST, "actor.pack_sequences": _FAST,
+    "actor.fused_adamw": _FAST, "critic.fused_adamw": _FAST,
+    "actor.logit_chunk_keep": "the fast path keeps the logits; actor.logit_chunk_tokens > 0 recomputes them",
+    "critic.gradient_checkpointing": "the critic follows actor.gradient_checkpointing",
+    "critic.warmup_steps": "the critic follows actor.warmup_steps",
+    "rollout.continuous_batching": "rows are always admitted as others finish when rollout.max_rows > 0",
+    "rollout.vllm.max_num_seqs": "rollout.max_rows bounds vLLM's rows too",
+    "run.progress": "the progress bar shows when stderr is a terminal",
+    "eval.temperature": "pass@k samples at rollout.temperature",
+}
+
+
+def _unknown(key: str, options: list[str]) -> ConfigError:
+    if key in REMOVED:
+        return ConfigError(f"config key {key} was removed: {REMOVED[key]}", key)
+    return ConfigError(f"unknown config key {key}{_suggest(key.rpartition('.')[2], options)}", key)
+
+
 def _section_types() -> dict[str, type]:
     return {f.name: get_type_hints(Config)[f.name] for f in fields(Config)}
 
@@ -60,7 +81,7 @@ def _build_nested(key: str, raw: Any, cls: type) -> Any:
     hints = get_type_hints(cls)
     _check(isinstance(raw, dict), key, f"a mapping of {', '.join(hints)}", raw)
     for name in (n for n in raw if n not in hints):
-        raise ConfigError(f"unknown config key {key}.{name}{_suggest(name, list(hints))}", f"{key}.{name}")
+        raise _unknown(f"{key}.{name}", list(hints))
     values = {n: _coerce(f"{key}.{n}", ",".join(map(str, v)) if isinstance(v, list) else v, hints[n])
               for n, v in raw.items()}
     try:
@@ -95,6 +116,8 @@ def build_config(raw: dict[str, Any] | None = None, overrides: list[str] | tuple
         kwargs = {}
         for name, value in merged.get(sec, {}).items():
             if name not in hints:
+                if f"{sec}.{name}" in REMOVED:
+                    raise _unknown(f"{sec}.{name}", [])
                 all_keys = [f"{s}.{k}" for s, c in sections.items() for k in get_type_hints(c)]
                 raise ConfigError(f"unknown config key {sec}.{name}{_suggest(f'{sec}.{name}', all_keys)}",
                                   f"{sec}.{name}")

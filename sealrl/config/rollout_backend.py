@@ -24,9 +24,6 @@ def vllm_lacks(cfg: Config) -> str | None:
     if r.top_k or r.top_p < 1:
         return ("rollout.backend=vllm needs rollout.top_k=0 and rollout.top_p=1: with a filter on, vLLM returns only "
                 "the filtered log-probs, not the unfiltered ones the record and the loss use")
-    if r.continuous_batching:
-        return ("rollout.backend=vllm does not use rollout.continuous_batching (the native engine's scheduler); "
-                "vLLM's is bounded by rollout.vllm.max_num_seqs")
     return next((why for _, why in rollout_seam.refusals(cfg, backend="vllm")), None)
 
 

@@ -78,10 +78,11 @@ class RunConfig:
     eval_every: int = resumable(0)         # iterations between held-out evaluations; 0 = before/after only
     max_wall_s: float = resumable(0.0)     # training seconds, then a clean stop: checkpoint, exit 0 (0 = none)
     threads: int = 0                       # torch threads (0 = leave torch's default)
+    exact: bool = False                    # every pass by the bitwise Hugging Face reference path, torch's default
+                                           # AdamW loop, no fusion (debugging, parity tests); false = the fast path
     hold_freed_memory: bool = resumable(True)  # malloc keeps freed memory for the next pass (trainer/memory.py)
     update_retries: int = 1                # a failed update is rolled back and tried again this often
     stage_timeout_s: float = resumable(3600.0)  # deadline of each driver stage; expiry exits 4 naming it (0 = none)
-    progress: bool = resumable(True)       # live progress bar on stderr
     loggers: str = resumable("tensorboard")  # comma list beyond metrics.jsonl: tensorboard, wandb, mlflow ("" = none)
 
     def __post_init__(self):
@@ -129,13 +130,11 @@ ROLLOUT_BACKENDS = ("auto", "native", "vllm")   # config/rollout_backend.py
 class VllmConfig:  # rollout.vllm (rollout/vllm_engine.py); check keys start with "." (loading adds rollout.vllm)
     enforce_eager: bool = True             # no CUDA graphs / torch.compile: fast start, slower decode on GPU
     gpu_memory_utilization: float = 0.5    # CUDA: share of the GPU vLLM takes for weights and KV cache
-    max_num_seqs: int = 256                # requests vLLM decodes at once; the others wait in its queue
     kv_cache_gb: int = 1                   # CPU: KV cache size in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE)
 
     def __post_init__(self):
         _check(0 < self.gpu_memory_utilization <= 1, ".gpu_memory_utilization", "in (0, 1]",
                self.gpu_memory_utilization)
-        _check(self.max_num_seqs >= 1, ".max_num_seqs", ">= 1", self.max_num_seqs)
         _check(self.kv_cache_gb >= 1, ".kv_cache_gb", ">= 1", self.kv_cache_gb)
 
 
@@ -152,8 +151,8 @@ class RolloutConfig:
     device: str = "auto"                   # auto | cpu | cuda: where the rollout samples (auto: cuda when available)
     lane: str = resumable("thread")        # k >= 1: generation in a thread | process (its own; docs/async.md)
     partial: str = "finish"                # k >= 1, a publication mid-generation: finish (old version) | switch (new)
-    max_rows: int = 0                      # rows decoding at once (0 = all of a call); more wait (rollout/scheduler.py)
-    continuous_batching: bool = False      # max_rows > 0: admit waiting requests into finished rows, not waves
+    max_rows: int = 0                      # rows decoding at once (0 = all of a call; vLLM: 256); more wait, admitted
+                                           # as rows finish (rollout/scheduler.py; vLLM's max_num_seqs)
     backend: str = "auto"                  # auto | native | vllm: the sampling engine (auto: vllm on cuda if installed)
     vllm: VllmConfig = field(default_factory=VllmConfig)   # rollout.backend=vllm: vLLM's engine settings
 
@@ -240,8 +239,7 @@ class ActorConfig:
     weight_decay: float = 0.0              # AdamW weight decay
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
     adam_eps: float = 1e-8                 # AdamW epsilon
-    fused_adamw: bool = False              # torch's fused AdamW kernel (faster; not bitwise the default loop)
-    warmup_steps: int = 0                  # linear warm-up (optimizer steps)
+    warmup_steps: int = 0                  # linear warm-up (optimizer steps; the critic's too)
     lr_schedule: str = "constant"          # constant | cosine | linear (decay after warm-up)
     min_lr_ratio: float = 0.0              # floor of the decay, as a fraction of lr
     ppo_epochs: int = 1                    # passes over the iteration's experience
@@ -261,12 +259,9 @@ class ActorConfig:
     kl_cov_coef: float = 1.0               # loss=kl_cov: coefficient of |log ratio| on the selected tokens
     lora: LoraConfig = field(default_factory=LoraConfig)  # actor.lora.rank > 0: train a LoRA adapter only
     max_tokens_per_micro_batch: int = 0    # token budget per micro-batch, balanced (0 = by count); models/packing.py
-    pack_sequences: bool = False           # packed rows: no padding, attention within each sequence only
-    logit_chunk_tokens: int = 0            # LM head + log-softmax this many tokens at a time (0 = all at once)
-    logit_chunk_keep: bool = False         # chunked head: keep its fp32 logits for the backward (no recompute)
-    gradient_checkpointing: bool = False   # recompute layer activations in the backward (less memory)
-    lean_forward: bool = False             # Llama/Qwen2 passes by models/lean_forward.py (not bitwise HF)
-    share_prompts: bool = False            # lean_forward: a prompt shared by samples of a micro-batch runs once
+    logit_chunk_tokens: int = 0            # LM head this many tokens at a time, logits recomputed in the backward
+                                           # (less memory, one matmul more; 0 = the run's path: roles/common.py)
+    gradient_checkpointing: bool = False   # recompute layer activations in the backward (less memory; the critic's too)
     dtype: str = "fp32"                    # fp32 | bf16: autocast compute, fp32 master weights + AdamW; bf16 reference
     device: str = "auto"                   # auto | cpu | cuda: the actor's model and passes (auto: cuda when available)
 
@@ -275,8 +270,6 @@ class ActorConfig:
         for key in ("max_tokens_per_micro_batch", "logit_chunk_tokens"):
             _check(getattr(self, key) >= 0, f"actor.{key}", ">= 0 (0 = off)", getattr(self, key))
         _check(self.dtype in ("fp32", "bf16"), "actor.dtype", "fp32 | bf16", self.dtype)
-        _check(self.lean_forward or not self.share_prompts, "actor.share_prompts",
-               "false unless actor.lean_forward=true (the lean forward is what shares them)", self.share_prompts)
         _check(self.device in DEVICES, "actor.device", " | ".join(DEVICES), self.device)
         _check(self.lr_schedule in ("constant", "cosine", "linear"), "actor.lr_schedule",
                "constant | cosine | linear", self.lr_schedule)
@@ -299,19 +292,16 @@ class ActorConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class CriticConfig:
+class CriticConfig:  # warm-up, gradient checkpointing and the fast path follow the actor's keys
     lr: float = 1e-4                       # critic AdamW learning rate (PPO only)
     weight_decay: float = 0.0              # critic AdamW weight decay
     adam_eps: float = 1e-8                 # critic AdamW epsilon
-    fused_adamw: bool = False              # torch's fused AdamW kernel (faster; not bitwise the default loop)
     value_clip: float = 0.0                # value-loss clip (0 = off)
     grad_clip: float = 1.0                 # critic max grad norm (0 = off)
     ppo_epochs: int = 0                    # passes over the iteration's experience (0 = actor.ppo_epochs)
     mini_batch_size: int = -1              # samples per optimizer step (0 = whole batch; -1 = actor.mini_batch_size)
     micro_batch_size: int = 0              # samples per forward/backward (0 = actor.micro_batch_size)
-    warmup_steps: int = 0                  # critic linear warm-up
     lora: LoraConfig = field(default_factory=LoraConfig)  # critic.lora.rank > 0: adapter + value head trained
-    gradient_checkpointing: bool = False   # recompute backbone activations in the backward
     dtype: str = "fp32"                    # fp32 | bf16 (autocast compute; fp32 master weights and AdamW state)
     device: str = "auto"                   # auto | cpu | cuda: the critic's model and passes (auto: cuda if available)
 
@@ -363,8 +353,7 @@ class RewardConfig:  # docs/rewards.md; components and route are checked by seal
 @dataclass(kw_only=True, slots=True)
 class EvalConfig:
     num: int = resumable(500)              # held-out problems evaluated (<= data.num_eval)
-    pass_k: int = resumable(1)             # k of pass@k (k > 1 samples at eval.temperature)
-    temperature: float = resumable(1.0)    # sampling temperature when pass_k > 1
+    pass_k: int = resumable(1)             # k of pass@k (k > 1 samples at rollout.temperature; 1 = greedy)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -61,7 +61,8 @@ def to_table(batch: ExperienceBatch, extra: dict[str, list] | None = None) -> pa
     # token fields: each row's first len(response) values, as one flat array with row offsets
     mask = batch.token_mask()
     offsets = pa.array([0, *itertools.accumulate(len(x.response_ids) for x in s)], pa.int32())
-    for name in batch.field_names():
+    order = list(FIELDS)   # the registry's order, not the order the roles wrote them in
+    for name in sorted(batch.field_names(), key=order.index):
         spec, value = FIELDS[name], batch.get(name)
         if name == "reward_records":
             cols.update(_reward_columns(value))

@@ -29,12 +29,9 @@ compute, no dropout in force, no gradient checkpointing; anything else takes the
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.activations import ACT2FN
 
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
@@ -74,6 +71,8 @@ def unsupported_reason(model: nn.Module) -> str | None:
         return "gradient checkpointing is on"
     if any(p.dtype != torch.float32 for p in decoder.parameters()):
         return "weights are not fp32"
+    if any(hasattr(p, "_local_tensor") for p in decoder.parameters()):
+        return "weights are sharded (FSDP2 DTensors)"
     if torch.is_autocast_enabled(decoder.embed_tokens.weight.device.type):
         return "autocast is on"
     if decoder.training and getattr(model.config, "attention_dropout", 0.0):
@@ -171,7 +170,11 @@ def _attention(attn: nn.Module, h: Tensor, grid: _Grid, cos: Tensor, sin: Tensor
     qk = _rotate(qkv[:, :, :H + Hkv], cos, sin)  # (B, L, H+Hkv, D)
     q, k, v = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), qkv[:, :, H + Hkv:].transpose(1, 2)
     short = grid.L <= MATH_ATTENTION_MAX_LEN and q.device.type == "cpu" and torch.is_grad_enabled()
-    with sdpa_kernel(SDPBackend.MATH) if short else nullcontext():
+    if short:   # the math kernel called directly: sdpa_kernel() would switch a process-wide flag, under
+        # which another thread's attention (a generation lane's) would take the math kernel too
+        out = torch.ops.aten._scaled_dot_product_attention_math(q, k, v, None, 0.0, True, scale=attn.scaling,
+                                                                 enable_gqa=H != Hkv)[0]
+    else:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=H != Hkv)
     return grid.gather(out.transpose(1, 2).flatten(2))  # (N, H*D)
 

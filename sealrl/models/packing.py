@@ -1,7 +1,8 @@
 """Packed sequences, token-budget micro-batches, and the one entry point of every
-teacher-forced pass (reference, old log-probs, update, critic).
+teacher-forced pass (reference, old log-probs, update, critic values, the optimal-token
+baseline's sum of squared probabilities, the data-parallel idle passes): `TeacherForcing`.
 
-packed (`pack_sequences`): the sequences of a micro-batch concatenated in one row of width
+packed (the fast path's layout): the sequences of a micro-batch concatenated in one row of width
 N = sum of lengths, no padding, position ids restarting at 0 for each sequence:
 
     input_ids   [p0 p1 p2 r0 r1 | q0 q1 s0 s1 s2]      (1, N)
@@ -15,8 +16,9 @@ provided no 2D attention mask and no cache are passed; so the packed forward sen
 on padding, which matters when lengths differ a lot.
 
 `TeacherForcing` holds the options every role shares (micro-batch size or token budget,
-packing, logit chunking) and runs one micro-batch. With its defaults it calls
-`logprobs.response_log_probs` exactly as before (the default runs stay bitwise the same).
+packing, logit chunking, the lean forward) and runs one micro-batch; roles/common.teacher_forcing
+chooses them once per run (run.exact: the HF reference path). With its defaults it calls
+`logprobs.response_log_probs`: bitwise what the HF module computes.
 """
 from __future__ import annotations
 
@@ -26,12 +28,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from sealrl.algos import sum_pi_squared_from_logits
 from sealrl.models.chunked import chunked_log_probs, output_weight
 from sealrl.models.lean_forward import decoder_of, lean_hidden, unsupported_reason
 from sealrl.models.logprobs import (
     _check_pairs,
     pad_batch,
     response_log_probs,
+    response_logits,
     response_window,
     token_entropy,
     token_log_probs,
@@ -236,6 +240,11 @@ def packed_values(critic, prompts: list[list[int]], responses: list[list[int]],
     return v[:, :mask.shape[1]] * mask, v.gather(1, lens[:, None]).squeeze(1), mask
 
 
+def _sharded(model) -> bool:
+    """Whether FSDP2 shards `model`'s weights (DTensor parameters)."""
+    return any(hasattr(p, "_local_tensor") for p in model.parameters())
+
+
 @dataclass(frozen=True)
 class TeacherForcing:
     """How a role runs its teacher-forced passes: micro-batches by sample count or by a token
@@ -249,6 +258,26 @@ class TeacherForcing:
     lean: bool = False           # models/lean_forward.py where it covers the model, else the HF forward
     share_prompts: bool = False  # lean: a prompt shared by samples of a micro-batch runs once
 
+    def describe(self) -> str:
+        """One line for the run's log: the path every teacher-forced pass takes."""
+        layout = ("lean forward (Llama/Qwen2), each group's prompt once" if self.lean and self.share_prompts else
+                  "lean forward" if self.lean else "HF forward, packed" if self.pack else "HF forward, padded")
+        head = (f"LM head {self.chunk} tokens at a time, logits {'kept' if self.keep_logits else 'recomputed'}"
+                if self.chunk else "whole LM head")
+        batches = (f"micro-batches of <= {self.max_tokens} tokens" if self.max_tokens else
+                   f"micro-batches of {self.micro_batch_size} samples")
+        return f"{layout}; {head}; {batches}"
+
+    def _layout(self, model) -> str:
+        """lean, packed (the HF decoder on one packed row) or padded (the HF module): what the
+        options ask where it applies. FSDP2-sharded weights take padded: FSDP2 gathers them when
+        the root module is called, which the packed and lean passes (the decoder, the head) skip."""
+        if _sharded(model):
+            return "padded"
+        if self.lean and unsupported_reason(model) is None:
+            return "lean"
+        return "packed" if self.pack else "padded"
+
     def micro_batches(self, lengths: list[int]) -> list[list[int]]:
         """Indices into `lengths` (prompt + response tokens per sample), one list per micro-batch."""
         if self.max_tokens:
@@ -259,19 +288,34 @@ class TeacherForcing:
     def log_probs(self, model, prompts: list[list[int]], responses: list[list[int]], temperature: float,
                   pad_id: int, with_entropy: bool = False) -> tuple[Tensor, Tensor | None, Tensor]:
         """(log_probs (B,R), entropy (B,R) or None, response_mask (B,R)), 0 past each response."""
-        lean = self.lean and unsupported_reason(model) is None
-        if self.pack or lean:  # the lean forward packs its linear layers whatever `pack` says
+        layout = self._layout(model)
+        if layout != "padded":  # the lean forward packs its linear layers whatever `pack` says
             return packed_log_probs(model, prompts, responses, temperature, with_entropy, self.chunk,
-                                    self.keep_logits, lean, self.share_prompts)
-        if self.chunk:
+                                    self.keep_logits, layout == "lean", self.share_prompts)
+        if self.chunk and not _sharded(model):
             return padded_chunked_log_probs(model, prompts, responses, temperature, pad_id, with_entropy,
                                             self.chunk, self.keep_logits)
         return response_log_probs(model, prompts, responses, temperature=temperature, pad_id=pad_id,
                                   with_entropy=with_entropy)
 
+    def sum_pi_squared(self, model, prompts: list[list[int]], responses: list[list[int]], temperature: float,
+                       pad_id: int) -> Tensor:
+        """(B, R) sum_v pi(v)^2 of softmax(logits / T) at each response token, 0 past each response
+        (the optimal-token baseline's gradient-norm proxy); fast path: the head a chunk at a time."""
+        layout = self._layout(model)
+        if layout == "padded":
+            padded = pad_batch(prompts, responses, pad_id, next(model.parameters()).device)
+            return sum_pi_squared_from_logits(response_logits(model, padded).float() / temperature) \
+                * padded.response_mask
+        packed, _, hidden = _packed_hidden(model, prompts, responses, 0, layout == "lean", self.share_prompts)
+        head, step = model.get_output_embeddings(), self.chunk or len(hidden) or 1
+        flat = [sum_pi_squared_from_logits(head(hidden[s:s + step]).float() / temperature)
+                for s in range(0, len(hidden), step)]
+        return packed.to_padded(torch.cat(flat) if flat else hidden.new_zeros(0))
+
     def values(self, critic, prompts: list[list[int]], responses: list[list[int]], pad_id: int):
         """CriticModel.values, packed or padded (or lean: packed linears, per-sequence attention)."""
-        lean = self.lean and unsupported_reason(critic.backbone) is None
-        if self.pack or lean:
-            return packed_values(critic, prompts, responses, lean, self.share_prompts)
+        layout = self._layout(critic.backbone)
+        if layout != "padded":
+            return packed_values(critic, prompts, responses, layout == "lean", self.share_prompts)
         return critic.values(prompts, responses, pad_id=pad_id)

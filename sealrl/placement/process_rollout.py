@@ -58,6 +58,7 @@ class ProcessRollout:
         self.backend: tuple[str, str] = ("none", "none")
         self._last: tuple[bytes, object] | None = None   # the last loaded state (bytes) and manifest
         self._call_lock, self._load_lock = threading.Lock(), threading.Lock()
+        self._in_flight: str | None = None   # the call the process is serving (named if it dies)
         ctx = mp.get_context("spawn")
         self._calls, calls = ctx.Pipe()
         self._weights, weights = ctx.Pipe()

@@ -42,7 +42,6 @@ from typing import Any
 import torch
 
 from sealrl.experience import ExperienceBatch, PolicyVersion, Role
-from sealrl.models.logprobs import response_log_probs
 from sealrl.models.precision import model_device, process_group_backend
 from sealrl.placement.workers import WorkerGroup
 from sealrl.roles.common import batch_log_probs
@@ -140,12 +139,11 @@ class ActorRank(TrainRank):
         """(sample ids, (b, R) log-probs) of this rank's shard: the actor's recompute forward."""
         shard, w = shard_batch(batch, *world()), self.worker
         w.model.eval()
-        lp, _ = batch_log_probs(w.model, shard, w.temperature, w.pad_id, w.cfg.micro_batch_size, tf=w.tf)
+        lp, _ = batch_log_probs(w.model, shard, w.temperature, w.pad_id, w.tf.micro_batch_size, tf=w.tf)
         with torch.no_grad():   # FSDP2: as many forwards as the rank with the most rows
-            for _ in range(idle_passes(w.model, batch.sample_ids, w.cfg.micro_batch_size)):
+            for _ in range(idle_passes(w.model, batch.sample_ids, w.tf.micro_batch_size)):
                 first = batch.samples[0]
-                response_log_probs(w.model, [list(first.prompt_ids)], [list(first.response_ids)],
-                                   temperature=w.temperature, pad_id=w.pad_id)
+                w.tf.log_probs(w.model, [list(first.prompt_ids)], [list(first.response_ids)], w.temperature, w.pad_id)
         return shard.sample_ids, lp
 
     def update(self, batch: ExperienceBatch, version: PolicyVersion, iteration: int, seed: int, kl_coef: float):
@@ -322,8 +320,9 @@ class ActorGroup(_RoleGroup):
         self.replicas.model_stale = False
         return first, manifest
 
-    def compute_old_log_probs(self, batch: ExperienceBatch, version: PolicyVersion) -> None:
-        """Recompute mode, split by sample id over the ranks and joined by id."""
+    def compute_old_log_probs(self, batch: ExperienceBatch, version: PolicyVersion, fuse=None) -> None:
+        """Recompute mode, split by sample id over the ranks and joined by id (`fuse` is for one
+        process: Actor.compute_old_log_probs)."""
         parts = self.replicas.call("old_log_probs", self.replicas.share(batch))
         batch.put("old_log_probs", join_rows(batch, parts), Role.ACTOR, version.id)
 

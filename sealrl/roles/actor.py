@@ -12,6 +12,7 @@ from sealrl.experience import ExperienceBatch, PolicyVersion, Role
 from sealrl.models import precision
 from sealrl.models.hf import model_config_hash
 from sealrl.models.lora import adapter_scaling, adapter_state, base_state, has_lora
+from sealrl.models.packing import TeacherForcing
 from sealrl.roles import common
 from sealrl.roles.common import batch_log_probs, lr_at, optimizer_step, pad_width
 from sealrl.roles.distributed import all_gather_cat, all_reduce_sums, idle_passes, own_rows, world
@@ -30,7 +31,9 @@ class RolloutMismatch(RuntimeError):
 class Actor:
     def __init__(self, model, cfg: ActorConfig, algo: AlgorithmConfig, run_id: str,
                  tokenizer_hash: str, temperature: float, pad_id: int, total_steps: int,
-                 horizon: int):
+                 horizon: int, tf: TeacherForcing | None = None, exact: bool = True):
+        """`tf`: how the teacher-forced passes run (roles/common.teacher_forcing; default the HF
+        reference path); `exact` (run.exact): torch's default AdamW loop, else its fused kernel."""
         self.device = precision.resolve_device(cfg.device, "actor.device")
         self.model, self.cfg, self.algo = model.to(self.device), cfg, algo   # in place: moved, not copied
         self.run_id, self.tokenizer_hash = run_id, tokenizer_hash
@@ -39,7 +42,8 @@ class Actor:
         # LoRA: the frozen base's manifest (pinned by the rollout, named by every version and checkpoint)
         self.base = build_manifest({k: v.detach().cpu() for k, v in base_state(model).items()}, "base", 0, 0,
                                    tokenizer_hash, self.config_hash) if has_lora(model) else None
-        self.tf = common.teacher_forcing(cfg)  # micro-batches, packing, logit chunks (models/packing.py)
+        self.tf = tf or common.teacher_forcing(cfg)  # micro-batches, packing, logit chunks (models/packing.py)
+        self.exact = exact
         common.set_gradient_checkpointing(model, cfg.gradient_checkpointing)
         self.optimizer = self.make_optimizer()
         self.step = 0           # committed optimizer steps
@@ -48,6 +52,7 @@ class Actor:
         self.iteration = 0      # the iteration being updated (names fault-injection points)
         self.seed = 0           # the update's seed (Clip-Cov's token draw)
         self._kept = None       # (batch, version id, log-probs, entropy) of a fused old forward
+        self._accumulated = None   # (batch, version id, totals, first, ratios) of a first step run there
         self._mismatch: dict[str, float] = {}   # the last update's logprob/current_vs_rollout_*
         self._has_dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()) \
             or any(getattr(model.config, k, 0) for k in ("attention_dropout", "hidden_dropout", "dropout"))
@@ -57,7 +62,7 @@ class Actor:
         made again after FSDP2 replaces them with DTensors."""
         cfg = self.cfg
         params = [p for p in self.model.parameters() if p.requires_grad]
-        return common.adamw(params, cfg.fused_adamw, lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
+        return common.adamw(params, not self.exact, lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
                             weight_decay=cfg.weight_decay)
 
     # ---- versions and export ------------------------------------------------------------
@@ -75,31 +80,60 @@ class Actor:
         return state, manifest
 
     # ---- old log-probs ------------------------------------------------------------------
-    def compute_old_log_probs(self, batch: ExperienceBatch, version: PolicyVersion) -> None:
+    def compute_old_log_probs(self, batch: ExperienceBatch, version: PolicyVersion,
+                              fuse: tuple[int, int, float] | None = None) -> None:
         """Recompute mode: one actor forward on the sealed facts before any update. Written
         once into `old_log_probs` and never overwritten across epochs and minibatches.
 
-        When the update will be exactly one optimizer step over one micro-batch of the whole
-        batch, that step's forward is this same forward (same weights, same rows, same order),
-        so it runs once with gradients on and the update reuses it (`_kept`) instead of
-        running it again; the numbers written are the same."""
-        if self._single_step(len(batch)) and len(self._micro_batches(batch, torch.arange(len(batch)))) == 1:
+        When the update will be exactly one optimizer step over the whole batch, that step's
+        forward is this same forward (same weights, same rows, same order), so it runs once and
+        the update reuses it instead of running it again; the numbers written are the same:
+        - one micro-batch: the forward runs with gradients on and its graph is kept (`_kept`);
+        - several (the fast path, given `fuse` = (iteration, seed, KL coefficient) because the
+          advantages are derived already): the first step's forward and backward run here, a
+          micro-batch at a time, each writing its old log-probs (`_accumulated`); the update
+          then takes the optimizer step on the gradients, after the batch is sealed."""
+        one_step = self._one_step(len(batch))
+        if one_step and len(self._micro_batches(batch, torch.arange(len(batch)))) == 1:
             self.model.train()
             lp, ent = self._forward(batch, torch.arange(len(batch)))
             self._kept = (batch, version.id, lp, ent)
             batch.put("old_log_probs", lp.detach().masked_fill(~batch.token_mask(), 0.0), Role.ACTOR, version.id)
             return
+        if one_step and fuse is not None and not self.exact and self.algo.correction == "none":
+            self._first_step_here(batch, version, *fuse)
+            return
         self.model.eval()
         with precision.compute(self.cfg.dtype, precision.model_device(self.model)):
-            lp, _ = batch_log_probs(self.model, batch, self.temperature, self.pad_id, self.cfg.micro_batch_size,
+            lp, _ = batch_log_probs(self.model, batch, self.temperature, self.pad_id, self.tf.micro_batch_size,
                                     tf=self.tf)
         batch.put("old_log_probs", lp, Role.ACTOR, version.id)
 
-    def _single_step(self, b: int) -> bool:
-        """One process, one epoch, one minibatch, one micro-batch, nothing stochastic in the forward."""
+    def _first_step_here(self, batch: ExperienceBatch, version: PolicyVersion, iteration: int, seed: int,
+                         kl_coef: float) -> None:
+        """The forward and backward of the update's one step, old log-probs taken from it."""
+        self.iteration, self.seed = iteration, seed
+        old = torch.zeros(len(batch), batch.num_response_tokens)   # each micro-batch writes its rows
+        _, mask = loss_mask(batch, self.algo)
+        ratios, first = [torch.zeros(0)], []
+        self.model.train()
+        try:
+            totals = self._accumulate(batch, torch.arange(len(batch)), old, batch.get("advantages"), mask,
+                                      self._kl(batch, kl_coef), None, ratios, first=first, fill_old=True)
+        finally:
+            self.model.eval()
+        batch.put("old_log_probs", old.masked_fill(~batch.token_mask(), 0.0), Role.ACTOR, version.id)
+        self._accumulated = (batch, version.id, totals, first, ratios)
+
+    def _one_step(self, b: int) -> bool:
+        """One process, one epoch, one minibatch, nothing stochastic in the forward."""
         cfg = self.cfg
         return (world()[1] == 1 and cfg.ppo_epochs == 1 and (not cfg.mini_batch_size or cfg.mini_batch_size >= b)
-                and (cfg.max_tokens_per_micro_batch > 0 or cfg.micro_batch_size >= b) and not self._has_dropout)
+                and not self._has_dropout)
+
+    def _kl(self, batch: ExperienceBatch, kl_coef: float):
+        """(reference log-probs, coefficient) of the KL-in-loss term, or None."""
+        return (batch.get("ref_log_probs"), kl_coef) if kl_coef > 0 and self.algo.kl_in == "loss" else None
 
     def _forward(self, batch: ExperienceBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Teacher-forced log-probs and entropy of `rows`, (len(rows), R), gradients flowing, on
@@ -122,7 +156,7 @@ class Actor:
 
     def restore(self, snap: dict) -> None:
         common.restore(self, snap)
-        self._kept = None  # its graph saw the weights before they were loaded again
+        self._kept = self._accumulated = None  # they saw the weights before they were loaded again
 
     def set_counters(self, **counters: int) -> None:
         """Restoring a checkpoint (position.py): step and the other counters."""
@@ -139,7 +173,7 @@ class Actor:
         adv = batch.get("advantages")
         candidates, mask = loss_mask(batch, algo)
         weights = self._is_weights(batch, old)
-        kl = (batch.get("ref_log_probs"), kl_coef) if kl_coef > 0 and algo.kl_in == "loss" else None
+        kl = self._kl(batch, kl_coef)
         b = len(batch)
         mini = cfg.mini_batch_size or b
         gen = torch.Generator().manual_seed(seed)
@@ -148,6 +182,9 @@ class Actor:
         kept, self._kept = self._kept, None  # used by this update's first try only
         if kept is not None and (kept[0] is not batch or kept[1] != version.id):
             kept = None
+        done, self._accumulated = self._accumulated, None   # the first step's backward, run already
+        if done is not None and (done[0] is not batch or done[1] != version.id):
+            done = None
         self.model.train()
         try:
             for epoch in range(cfg.ppo_epochs):
@@ -157,8 +194,12 @@ class Actor:
                     # the first step's forward is the policy that sampled (before any update): the
                     # train-vs-rollout mismatch is measured there, in every old_log_prob mode
                     first = [] if epoch == 0 and start == 0 else None
-                    stats = self._optimizer_step(batch, idx, old, adv, mask, kl, weights, ratios,
-                                                 kept=None if kept is None else kept[2:], first=first)
+                    if done is not None:   # compute_old_log_probs ran this step's micro-batches
+                        stats = self._step(done[2], done[3])
+                        ratios.extend(done[4])
+                    else:
+                        stats = self._optimizer_step(batch, idx, old, adv, mask, kl, weights, ratios,
+                                                     kept=None if kept is None else kept[2:], first=first)
                     for k, v in stats.items():
                         sums.setdefault(k, []).append(v)
         finally:
@@ -166,7 +207,8 @@ class Actor:
         out = {f"actor/{k}": sum(v) / len(v) for k, v in sums.items()}
         out.update(self._mismatch)
         out["actor/skipped_steps"] = float(self.skipped_steps)
-        out["actor/reused_old_forward"] = float(kept is not None)   # the old log-prob pass was this update's forward
+        out["actor/reused_old_forward"] = float(kept is not None or done is not None)   # the old pass was this forward
+        out["actor/first_step_in_old_pass"] = float(done is not None)   # and its backward ran there too
         if cfg.loss != "pg":
             # Quantiles and extremes do not add up over ranks: gather the values (exact).
             out.update({f"actor/{k}": float(v) for k, v in
@@ -198,6 +240,14 @@ class Actor:
         the KL-in-loss term, or None; the ratios at this rank's loss-mask tokens go to `ratios`.
         `first` (the update's first step): collects current - rollout log-probs at the action
         tokens, measured (and held to algorithm.mismatch_tol) before the optimizer steps."""
+        totals = self._accumulate(batch, idx, old, adv, mask, kl, weights, ratios, kept, first)
+        return self._step(totals, first)
+
+    def _accumulate(self, batch, idx, old, adv, mask, kl, weights, ratios, kept=None, first: list | None = None,
+                    fill_old: bool = False) -> dict[str, float]:
+        """The forward and backward passes of one step, gradients accumulated over its
+        micro-batches; returns the metric totals. `fill_old`: each micro-batch's log-probs are
+        its old log-probs (written into `old`: the step's forward is the old log-prob pass)."""
         cfg, algo = self.cfg, self.algo
         # Every data-parallel rank holds the whole batch: this normaliser is the global one.
         norm = algos.make_normaliser(mask[idx], cfg.loss_agg, horizon=self.horizon)
@@ -207,6 +257,8 @@ class Actor:
         for mi in self._micro_batches(batch, rows):
             # the fused old-log-prob forward covers exactly these rows (see compute_old_log_probs)
             lp, ent = kept if kept is not None else self._forward(batch, mi)
+            if fill_old:
+                old[mi] = lp.detach()
             m = mask[mi]
             if first is not None:
                 action = batch.get("response_mask")[mi]
@@ -233,8 +285,14 @@ class Actor:
                 totals[k] = totals.get(k, 0.0) + float(v) * share
         # FSDP2: as many passes as the rank with the most rows (collectives); these add nothing
         for _ in range(idle_passes(self.model, [batch.samples[i].sample_id for i in idx.tolist()],
-                                   cfg.micro_batch_size)):
+                                   self.tf.micro_batch_size)):
             (self._forward(batch, idx[:1])[0].sum() * 0.0).backward()
+        return totals
+
+    def _step(self, totals: dict[str, float], first: list | None) -> dict[str, float]:
+        """The optimizer step on the accumulated gradients: the mismatch check of the update's
+        first step, metric and gradient sums over data-parallel ranks, clip, step."""
+        cfg = self.cfg
         if first is not None:
             self._mismatch = self._check_mismatch(all_gather_cat(torch.cat(first) if first else torch.zeros(0)))
         # Data-parallel (no-ops on one process): the ranks' losses are shares of one loss, so

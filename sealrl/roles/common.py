@@ -9,28 +9,41 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from sealrl.algos import sum_pi_squared_from_logits
 from sealrl.config import ConfigError
 from sealrl.experience import ExperienceBatch
-from sealrl.models.logprobs import pad_batch, response_logits
+from sealrl.models.lean_forward import unsupported_reason
 from sealrl.models.lora import load_trainable_state, trainable_state
 from sealrl.models.packing import TeacherForcing
 from sealrl.roles.distributed import clip_grad_norm, sum_grads, world
 
+FAST_CHUNK = 1024   # LM-head tokens per chunk on the fast path (faster than the whole head at every
+                    # vocabulary measured, 256 to 49,152: docs/benchmarks.md, "Fast by default")
 
-def teacher_forcing(actor_cfg) -> TeacherForcing:
-    """The teacher-forced pass options of a run (actor section), shared by actor, reference, critic."""
-    return TeacherForcing(micro_batch_size=actor_cfg.micro_batch_size, max_tokens=actor_cfg.max_tokens_per_micro_batch,
-                          pack=actor_cfg.pack_sequences, chunk=actor_cfg.logit_chunk_tokens,
-                          keep_logits=actor_cfg.logit_chunk_keep, lean=actor_cfg.lean_forward,
-                          share_prompts=actor_cfg.share_prompts)
+
+def teacher_forcing(actor_cfg, model=None, exact: bool = True, group: int = 1) -> TeacherForcing:
+    """How a run's teacher-forced passes run (actor section; the reference's and critic's follow).
+
+    `exact` (run.exact) or no model: the Hugging Face reference path, padded, bitwise what HF
+    computes. Otherwise the fast path, chosen once for the model: the lean forward with each
+    group's prompt run once where it covers the model (Llama/Qwen2, models/lean_forward.py),
+    the LM head FAST_CHUNK tokens at a time with its logits kept for the backward, and
+    micro-batches of whole groups (`group` = rollout.n) when a micro-batch holds more than one.
+    actor.logit_chunk_tokens > 0 on either path: that chunk, logits recomputed (less memory)."""
+    chunk, micro = actor_cfg.logit_chunk_tokens, actor_cfg.micro_batch_size
+    if exact or model is None:
+        return TeacherForcing(micro_batch_size=micro, max_tokens=actor_cfg.max_tokens_per_micro_batch, chunk=chunk)
+    lean = unsupported_reason(model) is None
+    if micro > group > 1 and micro % group:
+        micro -= micro % group
+    return TeacherForcing(micro_batch_size=micro, max_tokens=actor_cfg.max_tokens_per_micro_batch, pack=lean,
+                          chunk=chunk or FAST_CHUNK, keep_logits=not chunk, lean=lean, share_prompts=lean)
 
 
 def adamw(params, fused: bool, **hyper) -> torch.optim.AdamW:
     """AdamW with torch's default implementation for the parameters' device (on the CPU the
     per-parameter loop, on CUDA the multi-tensor one: bit for bit the same arithmetic), or with
-    `fused` its fused kernel (one pass over each tensor, 4-6x faster on the CPU; same update up
-    to float rounding, not bitwise)."""
+    `fused` (the fast path: not run.exact) its fused kernel (one pass over each tensor, 4-6x
+    faster on the CPU; same update up to float rounding, not bitwise)."""
     return torch.optim.AdamW(params, fused=True, **hyper) if fused else torch.optim.AdamW(params, **hyper)
 
 
@@ -141,28 +154,31 @@ def batch_log_probs(model, batch: ExperienceBatch, temperature: float, pad_id: i
             if with_entropy:
                 out_ent.append(pad_width(ent.float(), width))
             order.extend(rows)
-    mask = batch.token_mask()
+    return _in_batch_order(out_lp, order, batch), _in_batch_order(out_ent, order, batch) if with_entropy else None
+
+
+def _in_batch_order(parts: list[torch.Tensor], order: list[int], batch: ExperienceBatch) -> torch.Tensor:
+    """Micro-batch outputs (rows in `order`) as one (B, R) CPU tensor in batch order, 0 past each response."""
+    if not parts:
+        return torch.zeros(0, batch.num_response_tokens)
     back = torch.empty(len(order), dtype=torch.long)  # micro-batch order -> batch order
     back[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
-    lp = torch.cat(out_lp).cpu()[back].masked_fill(~mask, 0.0) if out_lp else torch.zeros(0, width)
-    ent = torch.cat(out_ent).cpu()[back].masked_fill(~mask, 0.0) if out_ent else None
-    return lp, ent
+    return torch.cat(parts).cpu()[back].masked_fill(~batch.token_mask(), 0.0)
 
 
 def batch_sum_pi_squared(model, batch: ExperienceBatch, temperature: float, pad_id: int,
-                         micro_batch_size: int) -> torch.Tensor:
+                         tf: TeacherForcing) -> torch.Tensor:
     """(B, R) sum_v pi(v)^2 of softmax(logits / T) at each response token of the batch under
     `model`, no grad (the optimal token baseline's gradient-norm proxy). 0 past each response."""
-    width, out = batch.num_response_tokens, []
-    device = next(model.parameters()).device
+    width, out, order = batch.num_response_tokens, [], []
     with torch.no_grad():
-        for start in range(0, len(batch), micro_batch_size):
-            part = batch.samples[start:start + micro_batch_size]
-            padded = pad_batch([list(s.prompt_ids) for s in part], [list(s.response_ids) for s in part],
-                               pad_id, device)
-            sq = sum_pi_squared_from_logits(response_logits(model, padded).float() / temperature)
-            out.append(pad_width((sq * padded.response_mask).float(), width))
-    return torch.cat(out).cpu().masked_fill(~batch.token_mask(), 0.0) if out else torch.zeros(0, width)
+        for rows in tf.micro_batches(sample_lengths(batch.samples)):
+            part = [batch.samples[i] for i in rows]
+            sq = tf.sum_pi_squared(model, [list(s.prompt_ids) for s in part], [list(s.response_ids) for s in part],
+                                   temperature, pad_id)
+            out.append(pad_width(sq.float(), width))
+            order.extend(rows)
+    return _in_batch_order(out, order, batch)
 
 
 def lr_at(step: int, base: float, warmup: int, schedule: str, total: int, min_ratio: float) -> float:

@@ -23,15 +23,18 @@ if TYPE_CHECKING:
 class Critic:
     def __init__(self, model: CriticModel, cfg: CriticConfig, pad_id: int, micro_batch_size: int,
                  loss_agg: str, horizon: int, tf: TeacherForcing | None = None, epochs: int = 1,
-                 mini_batch_size: int = 0):
+                 mini_batch_size: int = 0, warmup_steps: int = 0, checkpointing: bool = False,
+                 fused: bool = False):
         """`micro_batch_size`, `epochs`, `mini_batch_size`: the critic's own (critic.* keys, the
-        actor's where unset: trainer/setup.py); mini_batch_size 0 is the whole batch."""
+        actor's where unset: trainer/setup.py); mini_batch_size 0 is the whole batch.
+        `warmup_steps`, `checkpointing` (gradient checkpointing) and `fused` (AdamW's fused
+        kernel: the fast path) follow the actor's."""
         self.device = precision.resolve_device(cfg.device, "critic.device")
         self.model, self.cfg, self.pad_id = model.to(self.device), cfg, pad_id   # in place: moved, not copied
         self.micro, self.loss_agg, self.horizon = micro_batch_size, loss_agg, horizon
-        self.epochs, self.mini = epochs, mini_batch_size
+        self.epochs, self.mini, self.warmup_steps, self.fused = epochs, mini_batch_size, warmup_steps, fused
         self.tf = tf or TeacherForcing(micro_batch_size=micro_batch_size)  # micro-batches, packing
-        common.set_gradient_checkpointing(model.backbone, cfg.gradient_checkpointing)
+        common.set_gradient_checkpointing(model.backbone, checkpointing)
         self.optimizer = self.make_optimizer()
         self.step = 0            # committed optimizer steps
         self.skipped_steps = 0   # optimizer steps skipped for a non-finite gradient
@@ -40,7 +43,7 @@ class Critic:
         """AdamW over the model's trainable parameters (with LoRA: the adapter and the value head);
         made again after FSDP2 replaces them with DTensors."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        return common.adamw(params, self.cfg.fused_adamw, lr=self.cfg.lr, eps=self.cfg.adam_eps,
+        return common.adamw(params, self.fused, lr=self.cfg.lr, eps=self.cfg.adam_eps,
                             weight_decay=self.cfg.weight_decay)
 
     @property
@@ -121,11 +124,11 @@ class Critic:
             share = float(mask[sl].sum()) / max(1.0, float(mask[idx].sum()))
             clip_frac += float(metrics.get("value_clip_frac", 0.0)) * share
         # FSDP2: as many passes as the rank with the most rows (collectives); these add nothing
-        for _ in range(idle_passes(self.model, [batch.sample_ids[i] for i in idx.tolist()], self.micro)):
+        for _ in range(idle_passes(self.model, [batch.sample_ids[i] for i in idx.tolist()], self.tf.micro_batch_size)):
             (self._values(batch.samples[:1])[0].sum() * 0.0).backward()
         # Data-parallel (no-ops on one process): losses are shares of one loss, so SUM.
         sums = all_reduce_sums({"value_loss": total, "clip_frac": clip_frac})
-        lr = lr_at(self.step, self.cfg.lr, self.cfg.warmup_steps, "constant", 0, 0.0)
+        lr = lr_at(self.step, self.cfg.lr, self.warmup_steps, "constant", 0, 0.0)
         grad_norm = optimizer_step(self.model, self.optimizer, self.cfg.grad_clip, lr)
         if math.isfinite(grad_norm):
             self.step += 1

@@ -24,12 +24,13 @@ class Rollout:
     capabilities = CLIENTS["engine"].capabilities
 
     def __init__(self, model, tokenizer, device: str = "cpu", episodes: EpisodeSpec | None = None,
-                 rows: tuple[int, bool] = (0, False), vllm: VllmOptions | None = None):
+                 rows: tuple[int, bool] = (0, True), vllm: VllmOptions | None = None):
         """`device`: auto | cpu | cuda, where the engine's weights live and it samples (resolved
         here, in the process hosting the role); the weights are verified on their CPU copy in
         the rollout's dtype, which the device then receives bit for bit. `episodes`: multi-turn
         rollouts against that environment (rollout/episodes.py). `rows`: (rollout.max_rows,
-        rollout.continuous_batching), how many rows decode at once and how (rollout/scheduler.py).
+        continuous), how many rows decode at once and how (rollout/scheduler.py; runs admit rows
+        continuously, waves remain for tests and benchmarks).
         `vllm`: generate with vLLM instead of the native engine (rollout.backend=vllm,
         rollout/vllm_engine.py; vLLM places itself, `device` is not used)."""
         if vllm is not None:

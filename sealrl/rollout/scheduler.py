@@ -1,5 +1,5 @@
-"""A bounded number of decode rows: fixed waves, or continuous batching (`rollout.max_rows`,
-`rollout.continuous_batching`).
+"""A bounded number of decode rows: fixed waves, or continuous batching (`rollout.max_rows`;
+runs use continuous batching, the waves remain as the baseline benchmarks/continuous.py measures).
 
 `decode_loop` runs every row of a generate call at once. With `max_rows` > 0 at most that many
 rows decode together (the KV cache holds at most that many rows: the memory bound of a large

@@ -131,9 +131,9 @@ class _Actor(_Wrapper):
         super().__init__(inner)
         object.__setattr__(self, "clock", clock)
 
-    def compute_old_log_probs(self, batch, version) -> None:
+    def compute_old_log_probs(self, batch, version, fuse=None) -> None:
         faults.point("old_log_prob", batch.iteration)
-        self.inner.compute_old_log_probs(batch, version)
+        self.inner.compute_old_log_probs(batch, version, fuse)
 
     def update(self, batch, version, iteration: int, seed: int, kl_coef: float) -> dict:
         faults.point("update", iteration)

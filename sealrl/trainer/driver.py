@@ -9,6 +9,7 @@ lane and the staleness bound (rollout.max_staleness; 0 = synchronous) in pipelin
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import torch
@@ -26,7 +27,7 @@ from sealrl.trainer.iteration_metrics import perf_metrics, share_metrics
 from sealrl.trainer.memory import hold_freed_memory
 from sealrl.trainer.pipeline import admit, pipeline, staleness_metrics
 from sealrl.trainer.position import forget_after, forget_sealed_after, restore_position, save_position
-from sealrl.trainer.prepare import advantages, append_lines, build_batch, prepare, seal
+from sealrl.trainer.prepare import append_lines, build_batch, prepare, seal
 from sealrl.trainer.quarantine import quarantine
 from sealrl.trainer.record import record
 from sealrl.trainer.remax import put_baselines
@@ -78,13 +79,13 @@ def _train(run: Run, schedule: dict[int, int] | None = None) -> dict:
     logger = MetricsLogger(run.dir, cfg.run.loggers)
     eval_kw = dict(reward_fn=setup.build_reward_fn(cfg), tokenizer=roles.tokenizer,
                    max_new_tokens=cfg.rollout.max_new_tokens, num=cfg.eval.num, pass_k=cfg.eval.pass_k,
-                   temperature=cfg.eval.temperature, seed=cfg.run.seed, num_scorers=cfg.reward.num_scorers,
+                   temperature=cfg.rollout.temperature, seed=cfg.run.seed, num_scorers=cfg.reward.num_scorers,
                    timeout_s=cfg.reward.timeout_s, memory_mb=cfg.reward.scorer_memory_mb)
     recalled = recall(run, resumed) if resumed else {}   # k >= 1: the versions the lane still samples from
     version = publish(run)
     before = resumed["accuracy_before"] if resumed else held_out(run, version, eval_kw)
     wall = resumed["train_wall_s"] if resumed else 0.0
-    progress = Progress(cfg.run.iterations, start, enabled=cfg.run.progress)
+    progress = Progress(cfg.run.iterations, start, enabled=sys.stderr.isatty())   # a bar on a terminal only
     with graceful_stop() as stop, pipeline(run, start, cfg.run.iterations, version, recalled, schedule) as lanes:
         done, version, wall = _loop(run, lanes, start, version, before, wall, logger, progress, eval_kw, stop)
     progress.close()
@@ -194,8 +195,7 @@ def run_iteration(run: Run, it: int, version, lanes) -> dict:
     batch = build_batch(run, it, p.kept, p.records, p.prompt_of, p.texts, p.version)
     if p.baselines is not None:   # ReMax: the greedy baseline of each group, a sealed fact
         put_baselines(batch, p.baselines)
-    prepare(run, batch, version)               # old log-probs: the actor's own version (the proximal one)
-    metrics.update(advantages(run, batch, it))
+    metrics.update(prepare(run, batch, version, it))   # old log-probs: the actor's version (the proximal one)
     seal(run, it, batch, p.ledger, p.served)   # durable before any update reads it
     run.to(Phase.EXPERIENCE_SEALED, p.version.id)
     run.to(Phase.UPDATING_FROM, p.version.id)  # critic and actor updates
@@ -207,5 +207,6 @@ def run_iteration(run: Run, it: int, version, lanes) -> dict:
     if lanes.bound:
         metrics.update(staleness_metrics(ages, lanes.bound))
     metrics.update({f"time/{k}_s": v for k, v in run.timer.stage_seconds.items()})
-    metrics.update(perf_metrics(run, batch, run.timer.stage_seconds, bool(metrics.get("actor/reused_old_forward"))))
+    metrics.update(perf_metrics(run, batch, run.timer.stage_seconds, bool(metrics.get("actor/reused_old_forward")),
+                                bool(metrics.get("actor/first_step_in_old_pass"))))
     return metrics

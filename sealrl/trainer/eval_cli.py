@@ -43,7 +43,7 @@ def evaluate_path(path: Path, cfg: Config, num: int | None, pass_k: int) -> dict
         data = setup.build_data(cfg, tokenizer)
         return evaluate(rollout, manifest.version, data.eval, setup.build_reward_fn(cfg), tokenizer,
                         cfg.rollout.max_new_tokens, num or cfg.eval.num, pass_k=pass_k,
-                        temperature=cfg.eval.temperature, seed=cfg.run.seed, num_scorers=cfg.reward.num_scorers,
+                        temperature=cfg.rollout.temperature, seed=cfg.run.seed, num_scorers=cfg.reward.num_scorers,
                         timeout_s=cfg.reward.timeout_s)
     finally:
         if vllm is not None:

@@ -163,12 +163,14 @@ def share_metrics(metrics_row: dict) -> dict[str, float]:
     return {f"time/share_{stage}": share for stage, share in stage_shares(metrics_row).items()}
 
 
-def perf_metrics(run, batch: ExperienceBatch, stage_seconds: dict[str, float], reused: bool) -> dict[str, float]:
+def perf_metrics(run, batch: ExperienceBatch, stage_seconds: dict[str, float], reused: bool,
+                 stepped_there: bool = False) -> dict[str, float]:
     """perf/<pass>_tflops and _mfu of the iteration's passes (obs/flops.py): generate (prefill of
     each prompt once, every response token), the teacher-forced reference, old log-prob
     (recompute mode) and critic passes (forward: 2 x weights x tokens) and the update (forward
     and backward: 6 x, for every epoch, actor and critic; 4 x for the actor's when `reused`: its
-    forward was the old log-prob pass, actor/reused_old_forward)."""
+    forward was the old log-prob pass, actor/reused_old_forward; 0 x when its backward ran there
+    too, actor/first_step_in_old_pass, whose 6 x then count in the old log-prob pass)."""
     from sealrl.obs.flops import matmul_weights, pass_metrics
     cfg, roles = run.cfg, run.roles
     model = roles.actor.model
@@ -179,10 +181,11 @@ def perf_metrics(run, batch: ExperienceBatch, stage_seconds: dict[str, float], r
     prompts = {s.group_id: len(s.prompt_ids) for s in batch.samples}
     generated = sum(prompts.values()) + sum(len(s.response_ids) for s in batch.samples)
     critic_epochs = cfg.critic.ppo_epochs or cfg.actor.ppo_epochs
-    actor_update = (6 * cfg.actor.ppo_epochs - (2 if reused else 0)) * actor_w
+    actor_update = (6 * cfg.actor.ppo_epochs - (6 if stepped_there else 2 if reused else 0)) * actor_w
     flops = {"generate": 2 * actor_w * generated, "reference": 2 * actor_w * tokens,
              "critic_values": 2 * critic_w * tokens, "update": tokens * (actor_update + 6 * critic_w * critic_epochs),
-             **({"old_log_prob": 2 * actor_w * tokens} if cfg.algorithm.old_log_prob == "recompute" else {})}
+             **({"old_log_prob": (6 if stepped_there else 2) * actor_w * tokens}
+                if cfg.algorithm.old_log_prob == "recompute" else {})}
     out: dict[str, float] = {}
     for name, f in flops.items():
         if name in stage_seconds:

@@ -18,6 +18,7 @@ from sealrl.trainer.episodes import action_masks, put_episode_facts
 from sealrl.trainer.ledger import IterationLedger
 from sealrl.trainer.partial import put_token_versions, span_versions
 from sealrl.trainer.position import sealed_before
+from sealrl.trainer.update import update_seed
 
 
 def build_batch(run, it: int, kept: dict[str, list[RolloutSample]], records: dict[str, RewardRecord],
@@ -49,26 +50,41 @@ def build_batch(run, it: int, kept: dict[str, list[RolloutSample]], records: dic
     return batch
 
 
-def prepare(run, batch: ExperienceBatch, version) -> None:
-    """Reference log-probs (when a KL term is on), critic values (PPO) and old log-probs:
-    recomputed by the actor before any update, or the behaviour log-probs themselves (bypass)."""
-    roles = run.roles
+def prepare(run, batch: ExperienceBatch, version, it: int) -> dict:
+    """Reference log-probs (when a KL term is on), critic values (PPO), old log-probs
+    (recomputed by the actor before any update, or the behaviour log-probs themselves: bypass)
+    and the advantages; returns the advantages' metrics. Advantages that read no old log-probs
+    are derived first, so that the actor may run its update's one step as the old log-prob
+    pass (Actor.compute_old_log_probs); they are the same numbers in either order."""
+    roles, algo = run.roles, run.cfg.algorithm
+    early = not reads_old_log_probs(algo)
+    metrics = {}
     if roles.reference is not None:
         with run.stage("reference", "reference"):
             roles.reference.compute(batch)
     if roles.critic is not None:
         with run.stage("critic_values", "critic"):
             roles.critic.compute(batch)
+    if early:
+        metrics = advantages(run, batch, it)
     with run.stage("old_log_prob", "actor"):
-        if run.cfg.algorithm.old_log_prob == "recompute":
-            roles.actor.compute_old_log_probs(batch, version)
+        if algo.old_log_prob == "recompute":
+            fuse = (it, update_seed(run.cfg, it), run.kl_ctl.beta) if early else None
+            roles.actor.compute_old_log_probs(batch, version, fuse)
         else:  # bypass: the behaviour log-probs are the proximal anchor
             batch.put("old_log_probs", batch.get("rollout_log_probs").clone(), Role.ROLLOUT, version.id)
     if run.cfg.algorithm.name == "optimal_token_baseline":
         with run.stage("sum_pi_squared", "actor"):
             sq = batch_sum_pi_squared(roles.actor.model, batch, run.cfg.rollout.temperature,
-                                      roles.tokenizer.pad_token_id, run.cfg.actor.micro_batch_size)
+                                      roles.tokenizer.pad_token_id, roles.actor.tf)
             batch.put("sum_pi_squared", sq, Role.ACTOR, version.id)
+    return metrics if early else advantages(run, batch, it)
+
+
+def reads_old_log_probs(algo) -> bool:
+    """Whether deriving the advantages reads the old log-probs (trainer/derive.py): the KL
+    penalty in the reward, the optimal-token baseline."""
+    return (algo.kl_coef > 0 and algo.kl_in == "reward") or algo.name == "optimal_token_baseline"
 
 
 def advantages(run, batch: ExperienceBatch, it: int) -> dict:

@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -202,6 +203,15 @@ def total_optimizer_steps(cfg: Config) -> int:
     return cfg.run.iterations * cfg.actor.ppo_epochs * -(-per_iter // mini)
 
 
+def passes(cfg: Config, model):
+    """The teacher-forced passes of the run (roles/common.teacher_forcing): the fast path for
+    `model`, or with run.exact the HF reference path; said once on stderr."""
+    tf = teacher_forcing(cfg.actor, model, cfg.run.exact, cfg.rollout.n)
+    print(f"sealrl: teacher-forced passes: {tf.describe()}; AdamW {'default loop' if cfg.run.exact else 'fused'}"
+          f"{' (run.exact=true)' if cfg.run.exact else ''}", file=sys.stderr)
+    return tf
+
+
 def build_roles(cfg: Config, run_id: str) -> Roles:
     from sealrl.placement.workers import HOSTS
     HOSTS.clear()   # where this run's Ray workers land (placement.json)
@@ -212,8 +222,9 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
     tok_hash = tokenizer_hash(tokenizer)
     temperature, pad = cfg.rollout.temperature, padding_id(tokenizer, cfg.model.path)
     horizon = cfg.rollout.max_new_tokens
+    tf = passes(cfg, model)   # the teacher-forced passes of every role, chosen once
     make_actor = functools.partial(Actor, model, cfg.actor, cfg.algorithm, run_id, tok_hash, temperature,
-                                   pad, total_optimizer_steps(cfg), horizon)
+                                   pad, total_optimizer_steps(cfg), horizon, tf=tf, exact=cfg.run.exact)
     actor = make_actor()
     base = actor.base   # LoRA: the frozen base's manifest (else None)
     closers: list = []
@@ -221,7 +232,7 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
     if cfg.placement.actor_ranks > 1:
         actor = data_parallel_role(cfg, "actor", make_actor, actor, closers, shared)
     episodes = episode_spec(cfg)
-    rows = (cfg.rollout.max_rows, cfg.rollout.continuous_batching)   # rollout/scheduler.py
+    rows = (cfg.rollout.max_rows, True)   # rollout/scheduler.py: rows admitted as others finish
     vllm = vllm_options(cfg)   # None: the native engine
     rollout = Rollout(template, tokenizer, cfg.rollout.device, episodes=episodes, rows=rows, vllm=vllm) \
         if cfg.placement.backend == "local" else \
@@ -237,8 +248,8 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
     elif cfg.algorithm.kl_coef > 0:  # no reference model is loaded when the KL coefficient is 0
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         ref_version = build_manifest(state, "reference", 0, 0, tok_hash, model_config_hash(model.config)).version
-        reference = Reference(model, ref_version, temperature, pad, cfg.actor.micro_batch_size,
-                              tf=teacher_forcing(cfg.actor), dtype=cfg.actor.dtype, device=cfg.reference.device)
+        reference = Reference(model, ref_version, temperature, pad, tf.micro_batch_size,
+                              tf=tf, dtype=cfg.actor.dtype, device=cfg.reference.device)
     critic = None
     if cfg.algorithm.name == "ppo":
         from sealrl.models.critic import CriticModel
@@ -246,11 +257,13 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
             torch.manual_seed(cfg.run.seed + 1)
             critic_model = CriticModel.from_causal_lm(model)   # backbone copied from the policy, new head
         c, a = cfg.critic, cfg.actor   # the critic's own batches; the actor's where unset
-        micro = c.micro_batch_size or a.micro_batch_size
+        micro = c.micro_batch_size or tf.micro_batch_size
         mini = a.mini_batch_size if c.mini_batch_size < 0 else c.mini_batch_size
         make_critic = functools.partial(Critic, critic_model, c, pad, micro, a.loss_agg, horizon,
-                                        tf=dataclasses.replace(teacher_forcing(a), micro_batch_size=micro),
-                                        epochs=c.ppo_epochs or a.ppo_epochs, mini_batch_size=mini)
+                                        tf=dataclasses.replace(tf, micro_batch_size=micro),
+                                        epochs=c.ppo_epochs or a.ppo_epochs, mini_batch_size=mini,
+                                        warmup_steps=a.warmup_steps, checkpointing=a.gradient_checkpointing,
+                                        fused=not cfg.run.exact)
         critic = make_critic()
         if cfg.placement.critic_ranks > 1:
             critic = data_parallel_role(cfg, "critic", make_critic, critic, closers)
@@ -266,7 +279,7 @@ def vllm_options(cfg: Config) -> VllmOptions | None:
         return None
     check_rollout_backend(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, backend="vllm")))
     v = cfg.rollout.vllm
-    return VllmOptions(dtype=cfg.rollout.dtype, enforce_eager=v.enforce_eager, max_num_seqs=v.max_num_seqs,
+    return VllmOptions(dtype=cfg.rollout.dtype, enforce_eager=v.enforce_eager, max_num_seqs=cfg.rollout.max_rows or 256,
                        gpu_memory_utilization=v.gpu_memory_utilization, kv_cache_gb=v.kv_cache_gb)
 
 
@@ -347,7 +360,7 @@ def ray_rollout_pool(cfg: Config, model, tokenizer, closers: list, shared=None, 
     threads = max(1, int(p.cpus_per_replica / len(spec.roles)))
     # the structure only (weights arrive by sync): nothing of the actor's device is pickled
     make = functools.partial(Rollout, weightless_template(model), tokenizer, cfg.rollout.device, episodes=episodes,
-                             rows=(cfg.rollout.max_rows, cfg.rollout.continuous_batching), vllm=vllm)
+                             rows=(cfg.rollout.max_rows, True), vllm=vllm)
     group = RayWorkerGroup("rollout", make, pool,
                            timeout_s=p.timeout_s, threads=threads)
     rollout = RolloutPool(group, timeout_s=p.timeout_s)

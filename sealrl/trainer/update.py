@@ -9,6 +9,11 @@ from sealrl.trainer.iteration_metrics import ref_kl
 from sealrl.trainer.state import StageFailed
 
 
+def update_seed(cfg, it: int) -> int:
+    """The seed of iteration `it`'s update (Clip-Cov's draw, the minibatch order)."""
+    return cfg.run.seed * 100003 + it
+
+
 def update(run, batch: ExperienceBatch, version, it: int) -> dict:
     cfg = run.cfg
     with run.stage("update", "actor"):
@@ -28,7 +33,7 @@ def update_with_rollback(run, batch: ExperienceBatch, version, it: int) -> dict:
         snaps = [(r, r.snapshot()) for r in (roles.critic, roles.actor) if r is not None and retries]
         roles.actor.attempt = attempt
         try:
-            seed = run.cfg.run.seed * 100003 + it
+            seed = update_seed(run.cfg, it)
             metrics = roles.critic.update(batch, seed) if roles.critic is not None else {}
             metrics.update(roles.actor.update(batch, version, it, seed, kl_coef=run.kl_ctl.beta))
             metrics["update/attempts"] = attempt + 1
