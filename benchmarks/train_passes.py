@@ -62,6 +62,7 @@ def make_batch(prompts: int, n: int, response: int, vocab: int, seed: int = 0) -
     w = batch.num_response_tokens
     mask = pad_token_rows([[1] * len(m.response_ids) for m in metas], w, torch.bool)
     batch.put("response_mask", mask, Role.ROLLOUT, V0.id)
+    batch.put("rollout_log_probs", torch.zeros(len(metas), w), Role.ROLLOUT, V0.id)   # (the mismatch metric's)
     adv = torch.randn(len(metas), 1, generator=gen).expand(-1, w).contiguous()
     batch.put("advantages", adv, Role.DRIVER, "test")
     return batch
