@@ -196,6 +196,7 @@ def run_trl(args) -> dict:
 
     config = GRPOConfig(
         output_dir=str(args.workdir / f"trl_seed{args.seed}"), use_cpu=True, bf16=False, fp16=False,
+        gradient_checkpointing=False,   # TRL defaults it to True; sealrl to off
         per_device_train_batch_size=args.prompts * args.n, gradient_accumulation_steps=1,
         num_generations=args.n, max_completion_length=args.max_new_tokens, temperature=args.temperature,
         top_p=1.0, top_k=0, beta=args.kl_coef, learning_rate=args.lr, lr_scheduler_type="constant",
