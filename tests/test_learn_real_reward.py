@@ -91,3 +91,24 @@ def test_rows_are_verl_layout():
     assert [m["role"] for m in row["prompt"]] == ["system", "user", "assistant", "user"]
     assert row["prompt"][-1]["content"] == "Q?" and row["reward_model"]["ground_truth"] == "5"
     assert row["extra_info"] == {"split": "test", "index": 0, "steps": 1}
+
+
+def test_the_example_config_is_the_benchmarks_sealrl_side():
+    """examples/smollm2_learn.yaml is learn_real.py's workload at its default arguments."""
+    from sealrl.config import load_config
+    args = _load("learn_real").parse_args([])
+    cfg = load_config(str(BENCH.parent / "examples" / "smollm2_learn.yaml"))
+    assert (cfg.data.prompts_per_iter, cfg.rollout.n, cfg.rollout.max_new_tokens) == (args.prompts, args.n,
+                                                                                       args.max_new_tokens)
+    assert (cfg.actor.lr, cfg.algorithm.kl_coef, cfg.rollout.temperature) == (args.lr, args.kl_coef, args.temperature)
+    assert (cfg.run.iterations, cfg.run.eval_every, cfg.eval.num) == (args.iterations, args.eval_every, args.num_eval)
+    assert cfg.reward.fn == "benchmarks/learn_real_reward.py:compute_score"
+
+
+def test_committed_data_is_the_generators():
+    """examples/learn_real/data is learn_real_data.write() at its defaults (seed 0, 500/200 rows)."""
+    import pyarrow.parquet as pq
+    folder = BENCH.parent / "examples" / "learn_real" / "data"
+    train, test = data.split(500, 200, seed=0)
+    assert pq.read_table(folder / "train.parquet").to_pylist() == data.rows(train, "train")
+    assert pq.read_table(folder / "test.parquet").to_pylist() == data.rows(test, "test")
