@@ -66,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n", type=int, default=8, help="samples per prompt (group size)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0, help="training sampling temperature")
-    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--kl-coef", type=float, default=0.0, help="KL coefficient (TRL's beta)")
     p.add_argument("--eval-every", type=int, default=20, help="steps between held-out evaluations")
     p.add_argument("--num-eval", type=int, default=200, help="held-out rows evaluated")
