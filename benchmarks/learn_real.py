@@ -1,0 +1,289 @@
+"""A real model that learns, sealrl against TRL: GRPO on SmolLM2-135M-Instruct, held-out greedy
+accuracy before, during and after, and training wall time, per side and seed.
+
+Workload (both sides): SmolLM2-135M-Instruct (`make smollm2` converts it to
+models/smollm2-135m-instruct), the generated one- and two-step arithmetic word problems of
+benchmarks/learn_real_data.py (500 training, 200 held-out rows, seed 0, verl layout; each
+prompt a system message, one worked example and the question, rendered by the model's chat
+template), scored 1/0 by benchmarks/learn_real_reward.py:compute_score (the final number in
+\\boxed{}, after "answer is", or at the end). Per step --prompts prompts x --n samples at
+temperature 1.0 (no top-k/top-p), up to --max-new-tokens new tokens, group-normalised
+advantages, PPO-clip 0.2 token-mean loss (TRL's `dapo`), KL to the initial model with
+coefficient --kl-coef (0: no reference model, as TRL's default beta), one AdamW step per batch
+at a constant --lr, grad clip 1.0, fp32.
+
+- sealrl: `train()` with only these workload keys set; every speed and memory key keeps
+  sealrl's default. Held-out accuracy is its own evaluation (`eval/accuracy` in metrics.jsonl
+  every --eval-every iterations, `accuracy_before`/`accuracy_after` in summary.json): greedy
+  (top-k 1) decoding of the first --num-eval held-out rows through the rollout engine.
+  Training time is `time/train_wall_s` (the sum of `time/iteration_s`, evaluation excluded).
+- TRL: `GRPOTrainer` given the model folder. Held-out accuracy: Hugging Face `generate`,
+  greedy, 64 rows a batch, left padding, the same chat template, rows, budget and reward, on
+  the trained model before training, in a callback every --eval-every steps, and after.
+  Training time is the sum of on_step_begin -> on_step_end (the callback evaluates after it
+  has taken the step's time).
+Evaluation seconds are reported apart (`eval_s`): they are not part of either side's
+training time. Each side runs in its own subprocess, one after the other, per seed.
+TRL shuffles the training prompts with its own sampler, sealrl with its own: the same rows,
+not the same order.
+
+Run (the last line printed is JSON; hours on 2 CPU cores at the defaults):
+    .venv/bin/python benchmarks/learn_real.py --threads 2
+    .venv/bin/python benchmarks/learn_real.py --iterations 2 --num-eval 8 --seeds 0 --threads 1   # smoke
+    .venv/bin/python benchmarks/learn_real.py --write-data examples/learn_real/data   # data only
+The sealrl side alone is `sealrl train examples/smollm2_learn.yaml`. Needs the `bench` extra
+for the TRL side (trl, datasets, accelerate).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Idle OpenMP workers must sleep, not spin (see benchmarks/rollout.py); set before torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))   # the sibling modules, also when imported from elsewhere
+import learn_real_data  # noqa: E402
+from learn_real_reward import compute_score  # noqa: E402
+
+REWARD_FN = f"{HERE / 'learn_real_reward.py'}:compute_score"
+EVAL_BATCH = 64   # TRL side: held-out rows per generate call
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", default="0,1,2", help="comma list of run seeds (both sides)")
+    p.add_argument("--iterations", type=int, default=60, help="GRPO steps per side and seed")
+    p.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    p.add_argument("--n", type=int, default=8, help="samples per prompt (group size)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0, help="training sampling temperature")
+    p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--kl-coef", type=float, default=0.0, help="KL coefficient (TRL's beta)")
+    p.add_argument("--eval-every", type=int, default=20, help="steps between held-out evaluations")
+    p.add_argument("--num-eval", type=int, default=200, help="held-out rows evaluated")
+    p.add_argument("--skip", choices=("sealrl", "trl"), default=None, help="run one side only")
+    p.add_argument("--threads", type=int, default=2, help="torch threads for both sides")
+    p.add_argument("--model-path", type=Path, default=Path("models/smollm2-135m-instruct"))
+    p.add_argument("--write-data", type=Path, default=None, metavar="DIR",
+                   help="only write DIR/train.parquet and DIR/test.parquet, then exit")
+    p.add_argument("--side", choices=("sealrl", "trl"), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--data", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--workdir", type=Path, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    for key in ("iterations", "prompts", "n", "max_new_tokens", "eval_every", "num_eval", "threads"):
+        if getattr(args, key) < 1:
+            p.error(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+    return args
+
+
+def curve_point(step: int, args, accuracy: float) -> list:
+    """[samples seen, accuracy]: after `step` steps of prompts x n samples."""
+    return [step * args.prompts * args.n, round(accuracy, 4)]
+
+
+# ---- sealrl -------------------------------------------------------------------------------
+
+def run_sealrl(args) -> dict:
+    from sealrl.config import build_config
+    from sealrl.obs.metrics import read_metrics
+    from sealrl.trainer import driver
+
+    eval_s = []
+    timed_held_out = driver.held_out
+
+    def held_out(*a, **k):   # the driver's evaluation, timed (it calls the module global)
+        t0 = time.perf_counter()
+        try:
+            return timed_held_out(*a, **k)
+        finally:
+            eval_s.append(time.perf_counter() - t0)
+
+    driver.held_out = held_out
+    name = f"sealrl_seed{args.seed}"
+    cfg = build_config(None, [   # the workload only: every speed and memory key at sealrl's default
+        f"model.path={args.model_path}", f"run.output_dir={args.workdir}", f"run.name={name}",
+        f"run.iterations={args.iterations}", f"run.eval_every={args.eval_every}", f"run.seed={args.seed}",
+        f"run.threads={args.threads}", "run.progress=false", "run.loggers=",
+        "run.checkpoint_every=0",   # one checkpoint at the end (TRL saves none); never in train time
+        "data.task=file", f"data.train_file={args.data / 'train.parquet'}",
+        f"data.eval_file={args.data / 'test.parquet'}", f"data.prompts_per_iter={args.prompts}",
+        "data.max_prompt_tokens=256",   # system + example + question: ~125 tokens with ChatML
+        f"rollout.n={args.n}", f"rollout.temperature={args.temperature}",
+        f"rollout.max_new_tokens={args.max_new_tokens}",
+        "algorithm.name=grpo", f"algorithm.kl_coef={args.kl_coef}", f"actor.lr={args.lr}",
+        f"reward.fn={REWARD_FN}", f"eval.num={args.num_eval}",
+    ])
+    summary = driver.train(cfg)
+    rows = read_metrics(args.workdir / name)
+    curve = [curve_point(0, args, summary["accuracy_before"])]
+    curve += [curve_point(r["iteration"] + 1, args, r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    curve.append(curve_point(summary["iterations"], args, summary["accuracy_after"]))
+    return {"curve": curve, "train_wall_s": rows[-1]["time/train_wall_s"], "eval_s": sum(eval_s),
+            "reward_mean": [round(r["reward/mean"], 4) for r in rows if "reward/mean" in r]}
+
+
+# ---- TRL ----------------------------------------------------------------------------------
+
+def reward_rows(completions, ground_truth, **_) -> list[float]:
+    """TRL's reward signature: conversational completions, the dataset's ground_truth column."""
+    return [compute_score(learn_real_data.DATA_SOURCE, c[0]["content"], t) for c, t in zip(completions, ground_truth)]
+
+
+def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) -> float:
+    """Share of `rows` whose greedy completion (chat template, left padding) scores 1."""
+    import torch
+    was_training = model.training
+    model.eval()
+    tokenizer.padding_side = "left"
+    solved = 0
+    for start in range(0, len(rows), EVAL_BATCH):
+        chunk = rows[start:start + EVAL_BATCH]
+        texts = [tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True)
+                 for r in chunk]
+        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)
+        for row, ids in zip(chunk, out[:, batch["input_ids"].shape[1]:]):
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            solved += compute_score(row["data_source"], text, row["reward_model"]["ground_truth"])
+    model.train(was_training)
+    return solved / len(rows)
+
+
+def run_trl(args) -> dict:
+    import pyarrow.parquet as pq
+    from datasets import Dataset
+    from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    train_rows = pq.read_table(args.data / "train.parquet").to_pylist()
+    eval_rows = pq.read_table(args.data / "test.parquet").to_pylist()[:args.num_eval]
+    data = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"]}
+                              for r in train_rows])
+    tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+    trainer = None
+
+    class Clock(TrainerCallback):
+        """Training time per step, then (outside it) the held-out evaluation every K steps."""
+
+        def __init__(self):
+            self.step_s, self.eval_s, self.curve, self._t0 = [], [], [], 0.0
+
+        def evaluate(self, step: int) -> None:
+            t0 = time.perf_counter()
+            acc = greedy_accuracy(trainer.model, tokenizer, eval_rows, args.max_new_tokens)
+            self.eval_s.append(time.perf_counter() - t0)
+            self.curve.append(curve_point(step, args, acc))
+
+        def on_step_begin(self, *a, **k):
+            self._t0 = time.perf_counter()
+
+        def on_step_end(self, _args, state, *a, **k):
+            self.step_s.append(time.perf_counter() - self._t0)
+            if state.global_step % args.eval_every == 0 and state.global_step < args.iterations:
+                self.evaluate(state.global_step)
+
+    config = GRPOConfig(
+        output_dir=str(args.workdir / f"trl_seed{args.seed}"), use_cpu=True, bf16=False, fp16=False,
+        gradient_checkpointing=False,   # TRL defaults it to True; sealrl to off
+        per_device_train_batch_size=args.prompts * args.n, gradient_accumulation_steps=1,
+        num_generations=args.n, max_completion_length=args.max_new_tokens, temperature=args.temperature,
+        top_p=1.0, top_k=0, beta=args.kl_coef, learning_rate=args.lr, lr_scheduler_type="constant",
+        warmup_steps=0, optim="adamw_torch", weight_decay=0.0, max_grad_norm=1.0, loss_type="dapo",
+        epsilon=0.2, num_iterations=1, max_steps=args.iterations, logging_steps=1, save_strategy="no",
+        report_to="none", seed=args.seed, dataloader_num_workers=0, disable_tqdm=True, log_completions=False)
+    clock = Clock()
+    trainer = GRPOTrainer(model=str(args.model_path), reward_funcs=reward_rows, args=config, train_dataset=data,
+                          processing_class=tokenizer, callbacks=[clock])
+    trainer.remove_callback(PrinterCallback)   # no per-step log dicts on stdout
+    clock.evaluate(0)
+    trainer.train()
+    clock.evaluate(len(clock.step_s))
+    rewards = [round(h["reward"], 4) for h in trainer.state.log_history if "reward" in h]
+    return {"curve": clock.curve, "train_wall_s": sum(clock.step_s), "eval_s": sum(clock.eval_s),
+            "reward_mean": rewards}
+
+
+# ---- driver -------------------------------------------------------------------------------
+
+def run_side(args) -> None:
+    """Child process: one side, one seed; prints its result as one JSON line."""
+    import torch
+    torch.set_num_threads(args.threads)
+    out = (run_sealrl if args.side == "sealrl" else run_trl)(args)
+    curve = out["curve"]
+    out.update(before=curve[0][1], after=curve[-1][1], gain_points=round(100 * (curve[-1][1] - curve[0][1]), 2),
+               train_wall_s=round(out["train_wall_s"], 2), eval_s=round(out["eval_s"], 2))
+    print(json.dumps(out))
+
+
+def spawn_side(args, side: str, seed: int, data: Path, workdir: Path) -> dict:
+    """One side and seed in a fresh subprocess; its stderr goes to ours (progress, warnings)."""
+    cmd = [sys.executable, __file__, "--side", side, "--seed", str(seed), "--data", str(data),
+           "--workdir", str(workdir), "--model-path", str(args.model_path), "--iterations", str(args.iterations),
+           "--prompts", str(args.prompts), "--n", str(args.n), "--max-new-tokens", str(args.max_new_tokens),
+           "--temperature", str(args.temperature), "--lr", str(args.lr), "--kl-coef", str(args.kl_coef),
+           "--eval-every", str(args.eval_every), "--num-eval", str(args.num_eval), "--threads", str(args.threads)]
+    print(f"learn_real: {side}, seed {seed} ...", file=sys.stderr, flush=True)
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    if done.returncode:
+        sys.exit(f"learn_real: the {side} side (seed {seed}) failed with exit status {done.returncode}; "
+                 "its error is above")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def mean_over_seeds(results: list[dict]) -> dict:
+    """The mean of each figure over seeds; the curve point by point (all seeds share the steps)."""
+    keys = ("before", "after", "gain_points", "train_wall_s", "eval_s")
+    out = {k: round(statistics.mean(r[k] for r in results), 4) for k in keys}
+    out["curve"] = [[pts[0][0], round(statistics.mean(p[1] for p in pts), 4)]
+                    for pts in zip(*(r["curve"] for r in results))]
+    out["every_seed_gained"] = all(r["gain_points"] > 0 for r in results)
+    return out
+
+
+def main() -> None:
+    args = parse_args()
+    if args.side:
+        return run_side(args)
+    if args.write_data:
+        train, test = learn_real_data.write(args.write_data)
+        print(f"wrote {train} and {test}")
+        return
+    if not (args.model_path / "config.json").is_file():
+        sys.exit(f"learn_real: no converted SmolLM2-135M-Instruct folder at {args.model_path} "
+                 "(`make smollm2` makes models/smollm2-135m-instruct; or pass --model-path)")
+    args.model_path = args.model_path.resolve()
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    sides = [s for s in ("sealrl", "trl") if s != args.skip]
+    report = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+                       if k not in ("side", "seed", "data", "workdir", "write_data")}}
+    with tempfile.TemporaryDirectory(prefix="learn_real_") as tmp:
+        data = Path(tmp) / "data"
+        learn_real_data.write(data)
+        results = {side: [] for side in sides}
+        for seed in seeds:
+            for side in sides:
+                results[side].append({"seed": seed, **spawn_side(args, side, seed, data, Path(tmp))})
+    for side in sides:
+        report[side] = {"seeds": results[side], "mean": mean_over_seeds(results[side])}
+    if len(sides) == 2:
+        s, t = report["sealrl"]["mean"], report["trl"]["mean"]
+        report["train_wall_ratio_trl_over_sealrl"] = round(t["train_wall_s"] / s["train_wall_s"], 3)
+        report["after_minus_trl_points"] = round(100 * (s["after"] - t["after"]), 2)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""benchmarks/learn_real_reward.py (the real-model learning benchmark's reward) and the data set
+of benchmarks/learn_real_data.py: unit tests, fast, no model."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+reward = _load("learn_real_reward")
+data = _load("learn_real_data")
+
+
+def score(response, truth="7"):
+    return reward.compute_score("learn_real_arith", response, truth)
+
+
+@pytest.mark.parametrize("response", [
+    "3 + 4 = 7. The answer is \\boxed{7}.",
+    "The answer is $\\boxed{7}$",
+    "\\boxed{7 \\text{ apples}}",
+    "The answer is 7",
+    "The answer is: 7 apples. Tom bought 4 of them.",   # the stated answer, not the last number
+    "3 + 4 = 7.",
+    "Tom has 3 + 4 = 7 apples",
+    "7",
+    "So he has 7.0 apples left.",
+    "2 + 3 = 5, and 5 + 2 = 7. The answer is \\boxed{7}.",
+])
+def test_natural_formats_score_one(response):
+    assert score(response) == 1.0
+
+
+@pytest.mark.parametrize("response", [
+    "2 + 5 = 7, and 7 - 2 = 3. The answer is \\boxed{3}.",   # the model's spurious second step
+    "The answer is \\boxed{8}. 7 is wrong.",                 # boxed wins over the last number
+    "The answer is 8, not 7",                                # the stated answer wins
+    "Tom has 3 + 4 apples, so 34.",
+    "-7",
+])
+def test_wrong_answers_score_zero(response):
+    assert score(response) == 0.0
+
+
+def test_other_number_formats():
+    assert score("The answer is 1,000.", "1000") == 1.0
+    assert score("It costs -3 dollars.", "-3") == 1.0
+    assert score("\\boxed{12}", " 12 ") == 1.0
+
+
+@pytest.mark.parametrize("response", ["", "   ", "no number here", "\\boxed{", "\\boxed{}", "\\boxed{x}",
+                                      "answer is", "\x00\ufffd", "{" * 10_000, "\\boxed{" * 5_000,
+                                      None, 7, ["7"]])
+def test_malformed_responses_score_zero_without_raising(response):
+    assert score(response) == 0.0
+
+
+def test_huge_response_is_scored():
+    assert score("9" * 5_000 + " apples. The answer is 7") == 1.0
+
+
+def test_unparseable_ground_truth_is_an_error():
+    with pytest.raises(ValueError, match="not a number"):
+        score("7", "seven")
+
+
+def test_split_is_seeded_disjoint_and_answers_are_right():
+    train, test = data.split(500, 200, seed=0)
+    assert (len(train), len(test)) == (500, 200)
+    assert not {q for q, _, _ in train} & {q for q, _, _ in test}
+    assert (train, test) == data.split(500, 200, seed=0)
+    assert {s for _, _, s in train + test} == {1, 2}
+    assert all(a >= 0 for _, a, _ in train + test)
+    # the template "has a, buys b more, and then gives c": answer a + b - c
+    q, a, _ = next(p for p in test if ", buys " in p[0])
+    nums = [int(w.strip(",")) for w in q.split() if w.strip(",").isdigit()]
+    assert a == nums[0] + nums[1] - nums[2]
+
+
+def test_rows_are_verl_layout():
+    row = data.rows([("Q?", 5, 1)], "test")[0]
+    assert row["data_source"] == data.DATA_SOURCE
+    assert [m["role"] for m in row["prompt"]] == ["system", "user", "assistant", "user"]
+    assert row["prompt"][-1]["content"] == "Q?" and row["reward_model"]["ground_truth"] == "5"
+    assert row["extra_info"] == {"split": "test", "index": 0, "steps": 1}
+
+
+def test_the_example_config_is_the_benchmarks_sealrl_side():
+    """examples/smollm2_learn.yaml is learn_real.py's workload at its default arguments."""
+    from sealrl.config import load_config
+    args = _load("learn_real").parse_args([])
+    cfg = load_config(str(BENCH.parent / "examples" / "smollm2_learn.yaml"))
+    assert (cfg.data.prompts_per_iter, cfg.rollout.n, cfg.rollout.max_new_tokens) == (args.prompts, args.n,
+                                                                                       args.max_new_tokens)
+    assert (cfg.actor.lr, cfg.algorithm.kl_coef, cfg.rollout.temperature) == (args.lr, args.kl_coef, args.temperature)
+    assert (cfg.run.iterations, cfg.run.eval_every, cfg.eval.num) == (args.iterations, args.eval_every, args.num_eval)
+    assert cfg.reward.fn == "benchmarks/learn_real_reward.py:compute_score"
+
+
+def test_committed_data_is_the_generators():
+    """examples/learn_real/data is learn_real_data.write() at its defaults (seed 0, 500/200 rows)."""
+    import pyarrow.parquet as pq
+    folder = BENCH.parent / "examples" / "learn_real" / "data"
+    train, test = data.split(500, 200, seed=0)
+    assert pq.read_table(folder / "train.parquet").to_pylist() == data.rows(train, "train")
+    assert pq.read_table(folder / "test.parquet").to_pylist() == data.rows(test, "test")
