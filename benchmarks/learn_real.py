@@ -113,7 +113,7 @@ def run_sealrl(args) -> dict:
     cfg = build_config(None, [   # the workload only: every speed and memory key at sealrl's default
         f"model.path={args.model_path}", f"run.output_dir={args.workdir}", f"run.name={name}",
         f"run.iterations={args.iterations}", f"run.eval_every={args.eval_every}", f"run.seed={args.seed}",
-        f"run.threads={args.threads}", "run.progress=false", "run.loggers=",
+        f"run.threads={args.threads}", "run.loggers=",
         "run.checkpoint_every=0",   # one checkpoint at the end (TRL saves none); never in train time
         "data.task=file", f"data.train_file={args.data / 'train.parquet'}",
         f"data.eval_file={args.data / 'test.parquet'}", f"data.prompts_per_iter={args.prompts}",
