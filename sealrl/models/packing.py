@@ -269,11 +269,12 @@ class TeacherForcing:
         return f"{layout}; {head}; {batches}"
 
     def _layout(self, model) -> str:
-        """lean, packed (the HF decoder on one packed row) or padded (the HF module): what the
-        options ask where it applies. FSDP2-sharded weights take padded: FSDP2 gathers them when
-        the root module is called, which the packed and lean passes (the decoder, the head) skip."""
+        """lean, packed (the HF decoder on one packed row), padded (the HF module) or root (the HF
+        module, whole head): what the options ask where it applies. FSDP2-sharded weights take
+        root: FSDP2 gathers them when the root module is called, which the packed, lean and
+        chunked passes (the decoder, the head) skip."""
         if _sharded(model):
-            return "padded"
+            return "root"
         if self.lean and unsupported_reason(model) is None:
             return "lean"
         return "packed" if self.pack else "padded"
@@ -289,10 +290,10 @@ class TeacherForcing:
                   pad_id: int, with_entropy: bool = False) -> tuple[Tensor, Tensor | None, Tensor]:
         """(log_probs (B,R), entropy (B,R) or None, response_mask (B,R)), 0 past each response."""
         layout = self._layout(model)
-        if layout != "padded":  # the lean forward packs its linear layers whatever `pack` says
+        if layout in ("lean", "packed"):  # the lean forward packs its linear layers whatever `pack` says
             return packed_log_probs(model, prompts, responses, temperature, with_entropy, self.chunk,
                                     self.keep_logits, layout == "lean", self.share_prompts)
-        if self.chunk and not _sharded(model):
+        if self.chunk and layout == "padded":
             return padded_chunked_log_probs(model, prompts, responses, temperature, pad_id, with_entropy,
                                             self.chunk, self.keep_logits)
         return response_log_probs(model, prompts, responses, temperature=temperature, pad_id=pad_id,
@@ -303,7 +304,7 @@ class TeacherForcing:
         """(B, R) sum_v pi(v)^2 of softmax(logits / T) at each response token, 0 past each response
         (the optimal-token baseline's gradient-norm proxy); fast path: the head a chunk at a time."""
         layout = self._layout(model)
-        if layout == "padded":
+        if layout in ("padded", "root"):
             padded = pad_batch(prompts, responses, pad_id, next(model.parameters()).device)
             return sum_pi_squared_from_logits(response_logits(model, padded).float() / temperature) \
                 * padded.response_mask
@@ -316,6 +317,6 @@ class TeacherForcing:
     def values(self, critic, prompts: list[list[int]], responses: list[list[int]], pad_id: int):
         """CriticModel.values, packed or padded (or lean: packed linears, per-sequence attention)."""
         layout = self._layout(critic.backbone)
-        if layout != "padded":
+        if layout in ("lean", "packed"):
             return packed_values(critic, prompts, responses, layout == "lean", self.share_prompts)
         return critic.values(prompts, responses, pad_id=pad_id)
