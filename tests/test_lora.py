@@ -32,7 +32,6 @@ from sealrl.roles.reference import Reference
 from sealrl.roles.rollout import Rollout
 from sealrl.sync.adapter import merge_adapter, sync_bytes
 from sealrl.sync.manifest import WeightSyncError, build_manifest
-from sealrl.trainer.adapters import wrap_models
 
 SMALL = dict(hidden_size=32, num_layers=2, intermediate_size=64)
 LORA = LoraConfig(rank=4, alpha=8.0, target_modules="all-linear")
@@ -90,12 +89,9 @@ def test_nested_overrides_and_a_target_that_matches_nothing():
         apply_lora(model, dataclasses.replace(LORA, target_modules="q_proj,qq_proj"), "actor.lora", seed=0)
     assert "\n" not in str(e.value)
     assert not has_lora(model)   # refused before anything was injected
-    with pytest.raises(ConfigError, match=r"^actor.lora.rank=4 needs .*\(lora_adapters\); placement.backend=ray "
-                                          "selects the Ray replica pool"):   # at load: the pool's capabilities
-        load_config(None, ["actor.lora.rank=4", "placement.backend=ray"])
-    ray = load_config(None, ["actor.lora.rank=4", "placement.backend=ray"], check_run=False)
-    with pytest.raises(ConfigError, match="need placement.backend=local"):   # and again where the models are made
-        wrap_models(ray, model)
+    load_config(None, ["actor.lora.rank=4", "placement.backend=ray"])   # Ray replicas pin the base
+    with pytest.raises(ConfigError, match=r"^actor.lora / critic.lora with placement.actor_ranks > 1: .* not built"):
+        load_config(None, ["actor.lora.rank=4", "placement.backend=ray", "placement.actor_ranks=2"])
 
 
 def _saved_base_and_policy(tmp_path, set_b):

@@ -196,5 +196,7 @@ def test_config_names_the_lane():
                                           r"pinned base \(lora_adapters\); rollout.lane=process selects the generation "
                                           r"process \(placement/process_rollout.py\), which cannot$"):
         check_config(build_config(None, [*lane, "actor.lora.rank=4"]))
+    with pytest.raises(ConfigError, match=r"^rollout.lane=process with placement.backend=ray: the Ray replicas"):
+        check_config(build_config(None, [*lane, "placement.backend=ray"]))   # they are other processes already
     # at max_staleness 0 there is no generation lane: the in-process engine generates, with LoRA
     check_config(build_config(None, ["rollout.lane=process", "actor.lora.rank=4"]))

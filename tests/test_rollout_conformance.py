@@ -81,8 +81,9 @@ def _ray_pool(request, model, tok, **kw):
     from sealrl.placement.rollout_pool import RolloutPool
     from sealrl.placement.workers import RayWorkerGroup
     pool = request.getfixturevalue("ray_session")
-    return RolloutPool(RayWorkerGroup("rollout", functools.partial(Rollout, model, tok, **kw), pool, timeout_s=120),
-                       timeout_s=120)
+    group = RayWorkerGroup("rollout", functools.partial(Rollout, model, tok, **kw), pool, timeout_s=120,
+                           concurrency=2)   # as trainer/setup.py builds it: stage while generating
+    return RolloutPool(group, timeout_s=120)
 
 
 def _kill_replica(client) -> None:

@@ -112,11 +112,14 @@ def activate_all(group: WorkerGroup, version: PolicyVersion, timeout_s: float | 
 
 
 def replace_replica(group, k: int, held: list[tuple[Any, WeightManifest]], retain: int = 1,
-                    timeout_s: float | None = None) -> None:
+                    timeout_s: float | None = None, base: tuple[Any, WeightManifest] | None = None) -> None:
     """A fresh replica k (group.restart: Ray groups) brought to the versions the others hold:
-    it retains `retain` and loads each of `held` (shared state, manifest), oldest first, with a
-    verified load (stage + activate), before it serves anything."""
+    it pins the LoRA `base` (shared state, manifest) if any, retains `retain` and loads each of
+    `held` (shared state, manifest), oldest first, with a verified load (stage + activate),
+    before it serves anything."""
     group.restart(k, timeout_s=timeout_s)
+    if base is not None:
+        group.map_shards("pin_base", {k: base}, timeout_s=timeout_s)
     if retain > 1:
         group.map_shards("retain", {k: (retain,)}, timeout_s=timeout_s)
     for shared, manifest in held:

@@ -18,11 +18,18 @@ RolloutReplica (roles/rollout.Rollout in a worker).
   replacement; `served` records, per generate call, which replica served which sample id.
 
 The pool keeps the shared state of the versions its replicas hold (the active one, and with
-retain(k) the last k loaded; one copy each, in Ray's object store) so a replacement replica can
-be brought to all of them, verified, without the actor.
+retain(k) the last k loaded; one copy each, in Ray's object store), and with LoRA the pinned
+base, so a replacement replica can be brought to all of them, verified, without the actor.
+
+Two threads may drive it at once (rollout.max_staleness >= 1): the generation lane calls
+generate while the training lane calls load. Each replica runs two calls at once (its engine
+stages and activates beside a running generate, which keeps the version it started with), and
+the pool serialises what changes its own state: a load, and a replacement. A replica that both
+threads find lost is replaced once: the second finds it already replaced and only re-sends.
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -47,10 +54,13 @@ class RolloutPool:
         self._retain = 1
         # (shared state, manifest) of the versions every replica holds: the pool's own slots (sync/versions.py)
         self.versions: VersionSlots[tuple[Any, WeightManifest]] = VersionSlots()
+        self._base: tuple[Any, WeightManifest] | None = None   # LoRA: the pinned base, shared once
+        self._lock = threading.RLock()   # a load or a replacement at a time (module docstring)
 
     @property
     def version(self) -> PolicyVersion | None:
-        held = self.group.attr("version", timeout_s=self.timeout_s)
+        with self._lock:   # not halfway through a load's activation
+            held = self.group.attr("version", timeout_s=self.timeout_s)
         if any(v != held[0] for v in held):
             raise ReplicaVersionError(f"rollout replicas serve different versions: {[str(v) for v in held]}")
         return held[0]
@@ -58,7 +68,8 @@ class RolloutPool:
     @property
     def backend(self) -> tuple[str, str]:
         """(forward backend, dtype) every replica samples with; replicas that differ are an error."""
-        held = self.group.attr("backend", timeout_s=self.timeout_s)
+        with self._lock:
+            held = self.group.attr("backend", timeout_s=self.timeout_s)
         if any(b != held[0] for b in held):
             raise ReplicaVersionError(f"rollout replicas use different backends: {held}")
         return held[0]
@@ -69,6 +80,10 @@ class RolloutPool:
         of an iteration) is replaced, brought to the versions the others serve, and the stage is
         tried again, up to `max_replacements` times; any other failure (a checksum) is raised
         and activates nothing."""
+        with self._lock:
+            return self._load(state, manifest)
+
+    def _load(self, state, manifest: WeightManifest) -> PolicyVersion:
         shared = self.group.put(dict(state))  # put once, not per replica
         for attempt in range(self.max_replacements + 1):
             failed = stage_all(self.group, shared, manifest, self.timeout_s)
@@ -85,12 +100,23 @@ class RolloutPool:
         self.history.append(("load", manifest.version.id))
         return manifest.version
 
-    def _replace(self, k: int) -> None:
-        t0 = time.perf_counter()
-        held = [snap.held for snap in self.versions.held()]
-        replace_replica(self.group, k, held, self._retain, self.timeout_s)
-        self.recoveries.append(time.perf_counter() - t0)
-        self.history.append((f"replace {k}", held[-1][1].version.id if held else ""))
+    def _replace(self, k: int, seen: Any = None) -> None:
+        """A fresh replica k brought to the pinned base and every held version. `seen`: the
+        handle of replica k when the failed call was sent; if k has been replaced since (by
+        the other thread), nothing is done: the caller re-sends to the new one."""
+        with self._lock:
+            if seen is not None and self._handle(k) is not seen:
+                return
+            t0 = time.perf_counter()
+            held = [snap.held for snap in self.versions.held()]
+            replace_replica(self.group, k, held, self._retain, self.timeout_s, base=self._base)
+            self.recoveries.append(time.perf_counter() - t0)
+            self.history.append((f"replace {k}", held[-1][1].version.id if held else ""))
+
+    def _handle(self, k: int) -> Any:
+        """Replica k's current handle (Ray groups replace theirs; a local group has none)."""
+        actors = getattr(self.group, "actors", None)
+        return None if actors is None else actors[k]
 
     def generate(self, requests: list[GenerationRequest], contract: SamplingContract,
                  version: PolicyVersion, stream=None) -> list[RolloutSample]:
@@ -99,8 +125,13 @@ class RolloutPool:
         if not requests:
             return []
         self.history.append(("generate", version.id))
+        handles = [self._handle(k) for k in range(self.group.num_workers)]   # a lost one is replaced once
+
+        def replace(k: int) -> None:
+            self._replace(k, handles[k])
+            handles[k] = self._handle(k)
         samples, metrics = generate_by_id(self.group, requests, contract, version, timeout_s=self.timeout_s,
-                                          replace=self._replace, max_replacements=self.max_replacements)
+                                          replace=replace, max_replacements=self.max_replacements)
         served = metrics.pop("served_by")
         self.served.append({"version": version.id, "replica_of": served})
         for k, v in metrics.items():
@@ -113,12 +144,19 @@ class RolloutPool:
     def retain(self, versions: int) -> None:
         """Every replica keeps serving the last `versions` loaded versions (1 = only the active
         one); a replacement replica is brought to each of them."""
-        self.versions.retain(versions)   # refuses versions < 1 before any replica is asked
-        self.group.call("retain", versions, timeout_s=self.timeout_s)
-        self._retain = versions
+        with self._lock:
+            self.versions.retain(versions)   # refuses versions < 1 before any replica is asked
+            self.group.call("retain", versions, timeout_s=self.timeout_s)
+            self._retain = versions
 
-    def pin_base(self, state, manifest) -> str:
-        raise MissingCapability(self, "lora_adapters")   # adapter-only sync to replicas is not built
+    def pin_base(self, state, manifest: WeightManifest) -> str:
+        """LoRA: every replica pins the frozen base (verified), once; later versions are adapters
+        merged into it on each replica, so a sync moves only the adapter. Returns the base's hash."""
+        with self._lock:
+            shared = self.group.put(dict(state))
+            hashes = self.group.call("pin_base", shared, manifest, timeout_s=self.timeout_s)
+            self._base = (shared, manifest)
+            return hashes[0]
 
     def take_recoveries(self) -> list[float]:
         """Seconds each replica replacement took (start a fresh one, load the active version

@@ -307,13 +307,16 @@ HOSTS: dict[tuple[str, int], dict] = {}
 
 class RayWorkerGroup:
     """`pool.spec.num_workers` Ray actors, each hosting `factory()`; worker k on bundle k. A
-    worker whose torch or sealrl differ from the driver's is refused (PlacementError, one line)."""
+    worker whose torch or sealrl differ from the driver's is refused (PlacementError, one line).
+    `concurrency` > 1: each actor runs that many calls at once, in threads (a rollout replica
+    stages a version while it generates; the role must be safe for it), in no set order."""
 
     def __init__(self, role: str, factory: Callable[[], Any], pool: RayPool, timeout_s: float = 300.0,
-                 threads: int = 1) -> None:
+                 threads: int = 1, concurrency: int = 1) -> None:
         self.role, self.num_workers, self.timeout_s = role, pool.spec.num_workers, timeout_s
         import ray
         self._host, self._factory, self._pool, self._threads = ray.remote(_RoleHost), factory, pool, threads
+        self._concurrency = concurrency
         self.restarts = 0
         self.actors = [self._start(k) for k in range(self.num_workers)]
         self.attr("__class__", timeout_s=timeout_s)  # waits until every factory has run
@@ -336,7 +339,7 @@ class RayWorkerGroup:
         spec, share = self._pool.spec, len(self._pool.spec.roles)
         return self._host.options(
             num_cpus=spec.num_cpus_per_worker / share, num_gpus=spec.num_gpus_per_worker / share,
-            max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            max_restarts=0, max_concurrency=self._concurrency, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self._pool.pg, placement_group_bundle_index=k)).remote(self._factory, self._threads)
 
     def restart(self, k: int, timeout_s: float | None = None) -> None:

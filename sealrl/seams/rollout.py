@@ -65,11 +65,11 @@ CLIENTS = {
     "process": ClientKind("the generation process (placement/process_rollout.py)", Capabilities(
         streams_finished_rows=False, switches_versions=True, multi_turn=True, bounded_rows=True,
         retained_versions=True, loads_while_generating=True, lora_adapters=False)),
-    # replicas activate each version together (and retain the last k); a load queues behind a
-    # generate on each replica and the pool is driven from one thread; adapters are not synced
+    # replicas activate each version together (and retain the last k); each replica stages a
+    # version beside a running generate (two calls at once); every replica pins the LoRA base
     "ray_pool": ClientKind("the Ray replica pool (placement/rollout_pool.py)", Capabilities(
         streams_finished_rows=False, switches_versions=False, multi_turn=True, bounded_rows=True,
-        retained_versions=True, loads_while_generating=False, lora_adapters=False)),
+        retained_versions=True, loads_while_generating=True, lora_adapters=True)),
 }
 
 # rollout.partial=switch: generate goes through rollout/switching.py, one decode loop whose

@@ -16,9 +16,6 @@ def wrap_models(cfg: Config, model):
     The template (the rollout engine's structure, no weights) and the critic's backbone are taken
     from the plain policy before its adapter is injected (peft rewrites the model in place).
     Seeds: the critic as without LoRA (run.seed + 1), the adapters' A factors run.seed + 2 / + 3."""
-    if cfg.placement.backend != "local":
-        raise ConfigError("actor.lora / critic.lora need placement.backend=local: adapter sync to Ray replicas "
-                          "and data-parallel ranks is not built yet", "placement.backend")
     if cfg.actor.lora.rank and cfg.rollout.dtype != "fp32":
         raise ConfigError(f"actor.lora with rollout.dtype={cfg.rollout.dtype}: the rollout merges the adapter into "
                           "its fp32 base; a bf16 rollout copy of an adapter is not built yet", "rollout.dtype")

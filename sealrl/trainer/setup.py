@@ -236,10 +236,10 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
     vllm = vllm_options(cfg)   # None: the native engine
     rollout = Rollout(template, tokenizer, cfg.rollout.device, episodes=episodes, rows=rows, vllm=vllm) \
         if cfg.placement.backend == "local" else \
-        ray_rollout_pool(cfg, model, tokenizer, closers, shared, episodes, vllm)
+        ray_rollout_pool(cfg, template, tokenizer, closers, shared, episodes, vllm)
     if cfg.placement.backend == "local":   # the local role's tool worker and vLLM's engine process, if any
         closers.append(rollout.close)
-    if base is not None:   # LoRA (local placement only): every version is an adapter on this base
+    if base is not None:   # LoRA: every version is an adapter on this base (every replica pins it)
         rollout.pin_base(adapters.plain_base_state(model), base)
     reference = None
     if cfg.algorithm.kl_coef > 0 and base is not None:   # LoRA: the base with the adapter off, no copy
@@ -340,7 +340,7 @@ def episode_spec(cfg: Config):
                                                      e.max_observation_tokens, e.tool_timeout_s)
 
 
-def ray_rollout_pool(cfg: Config, model, tokenizer, closers: list, shared=None, episodes=None, vllm=None):
+def ray_rollout_pool(cfg: Config, template, tokenizer, closers: list, shared=None, episodes=None, vllm=None):
     """placement.backend=ray: `rollout_replicas` RolloutWorkers as Ray actors (standalone or
     colocated: rollout_pool_spec) behind a RolloutPool with the rollout role's interface, so
     the driver loop does not change. Weights reach them only through the two-phase,
@@ -358,11 +358,12 @@ def ray_rollout_pool(cfg: Config, model, tokenizer, closers: list, shared=None, 
         pool = RayPool(spec, timeout_s=p.timeout_s)
         closers.append(pool.close)
     threads = max(1, int(p.cpus_per_replica / len(spec.roles)))
-    # the structure only (weights arrive by sync): nothing of the actor's device is pickled
-    make = functools.partial(Rollout, weightless_template(model), tokenizer, cfg.rollout.device, episodes=episodes,
+    # the structure only (weights arrive by sync): nothing of the actor's device is pickled; with
+    # LoRA `template` is the plain policy's (the replicas merge each adapter into their pinned base)
+    make = functools.partial(Rollout, weightless_template(template), tokenizer, cfg.rollout.device, episodes=episodes,
                              rows=(cfg.rollout.max_rows, True), vllm=vllm)
-    group = RayWorkerGroup("rollout", make, pool,
-                           timeout_s=p.timeout_s, threads=threads)
+    group = RayWorkerGroup("rollout", make, pool, timeout_s=p.timeout_s, threads=threads,
+                           concurrency=2)   # stage a version while generating (rollout_pool.py)
     rollout = RolloutPool(group, timeout_s=p.timeout_s)
     closers.append(rollout.close)
     return rollout
