@@ -133,7 +133,10 @@ def test_grpo_two_actor_ranks_give_the_one_process_update_through_a_resume(tmp_p
     assert_same_weights(local, dp, "actor_model", 2)
     a, b = experience(local, 1), experience(dp, 1)
     assert [s.response_ids for s in a.samples] == [s.response_ids for s in b.samples]  # same experience
-    assert torch.allclose(a.get("old_log_probs"), b.get("old_log_probs"), atol=1e-5, rtol=0)  # joined by id
+    # joined by id: the runs' weights differ by up to 1e-6 each (above), which moves a log-prob by
+    # sums over fan-ins of 128 and 512 in 4 layers: 1.0e-5 was seen (fsdp2, on a Xeon), so the
+    # bound is 1e-4; a row joined to another response's id is off by 1e-2 or more
+    assert torch.allclose(a.get("old_log_probs"), b.get("old_log_probs"), atol=1e-4, rtol=0)
     for ma, mb in zip(metrics(local), metrics(dp)):
         assert ma["actor/pg_loss"] == pytest.approx(mb["actor/pg_loss"], abs=1e-6)
         assert ma["actor/grad_norm"] == pytest.approx(mb["actor/grad_norm"], rel=1e-5)
@@ -141,6 +144,28 @@ def test_grpo_two_actor_ranks_give_the_one_process_update_through_a_resume(tmp_p
     w0 = load_file(str(local / "checkpoints" / "step_1" / "actor_model.safetensors"))
     w2 = load_file(str(local / "checkpoints" / "step_2" / "actor_model.safetensors"))
     assert max(float((w0[n] - w2[n]).abs().max()) for n in w0) > 1e-5   # the updates are not trivially 0
+
+
+@pytest.mark.slow
+def test_lora_on_two_fsdp2_ranks_and_two_replicas_gives_the_one_process_adapter(tmp_path, ray_session):
+    """LoRA with the default fsdp2 strategy: the ranks shard base and adapter alike, export
+    gathers only the adapter (checked against every rank's), the replicas merge it into their
+    pinned base; after two updates the adapter is the one-process run's within 1 vs 2 ranks'
+    bound (1e-6), and so is the experience both sampled."""
+    lora = ["algorithm.name=grpo", "run.iterations=2", "actor.lora.rank=4", "actor.lora.alpha=8"]
+    local = run(tmp_path, "local", *lora)
+    dp = run(tmp_path, "dp", *lora, "placement.actor_ranks=2", "placement.backend=ray", "placement.rollout_replicas=2",
+             "placement.cpus_per_replica=0.5", "placement.timeout_s=180")
+    assert_same_weights(local, dp, "actor_model", 2)
+    w1 = load_file(str(local / "checkpoints" / "step_1" / "actor_model.safetensors"))
+    assert all(".lora_" in n for n in w1)   # the checkpoint holds the adapter only
+    w2 = load_file(str(local / "checkpoints" / "step_2" / "actor_model.safetensors"))
+    assert max(float((w1[n] - w2[n]).abs().max()) for n in w1) > 1e-5   # the second update moved it
+    for it in range(2):
+        assert [s.response_ids for s in experience(local, it).samples] == \
+               [s.response_ids for s in experience(dp, it).samples]
+    m1, d1 = metrics(local)[1], metrics(dp)[1]
+    assert m1["actor/grad_norm"] == pytest.approx(d1["actor/grad_norm"], rel=1e-5)   # summed, not doubled
 
 
 @pytest.mark.slow

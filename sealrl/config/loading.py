@@ -172,9 +172,6 @@ def check_config(cfg: Config) -> None:
     if cfg.rollout.max_staleness and cfg.rollout.lane == "process" and cfg.placement.backend == "ray":
         raise ConfigError("rollout.lane=process with placement.backend=ray: the Ray replicas already generate in "
                           "their own processes; use rollout.lane=thread", "rollout.lane")
-    if (cfg.actor.lora.rank or cfg.critic.lora.rank) and cfg.placement.actor_ranks > 1:   # trainer/adapters.py
-        raise ConfigError("actor.lora / critic.lora with placement.actor_ranks > 1: adapters on data-parallel ranks "
-                          "are not built yet (Ray rollout replicas are: each pins the base)", "placement.actor_ranks")
     if cfg.reward.stream and not cfg.reward.num_scorers:   # trainer/streaming.py
         raise ConfigError("reward.stream needs reward.num_scorers >= 1 (inline scoring would run between decode "
                           f"steps: nothing overlaps), got {cfg.reward.num_scorers}", "reward.stream")

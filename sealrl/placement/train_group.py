@@ -25,7 +25,8 @@ the ranks' full state for checkpoints and `save_causal_lm`. It is pulled lazily 
 (`model`, `optimizer`), and pushed to every rank when a checkpoint is restored into it:
 position.restore_position loads `model` and `optimizer`, then calls `set_counters`, which
 is the push. `export()` takes rank 0's full weights, checks every other rank's weights hash
-against them (ReplicaMismatchError names the rank) and builds the manifest on the driver.
+against them (ReplicaMismatchError names the rank) and builds the manifest on the driver
+(with LoRA what ships is the adapter: Actor.exported_tensors, the mirror's manifest_of).
 Pull, export and push go to EVERY rank: with fsdp2, gathering full tensors (and cutting them
 back into shards) is a collective; only rank 0 ships what it gathered. FSDP2 also gathers in
 every forward, so the forward-only calls (old log-probs, values) run as many micro-batches on
@@ -59,7 +60,7 @@ from sealrl.roles.distributed import (
     shard_batch,
     world,
 )
-from sealrl.sync.manifest import WeightManifest, build_manifest, entries_digest, tensor_entry
+from sealrl.sync.manifest import WeightManifest, entries_digest, tensor_entry
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -102,12 +103,17 @@ class TrainRank:
         return is_sharded(self.worker.model)
 
     def weights(self) -> dict[str, torch.Tensor] | str:
-        """Rank 0: a detached CPU copy of its full weights; every other rank: their hash.
-        Every rank takes part (gathering sharded weights is a collective)."""
-        state = {k: v.clone() for k, v in full_state(self.worker.model.state_dict()).items()}
+        """Rank 0: a detached CPU copy of what its role exports (full weights; an actor with LoRA, the
+        adapter's), whole; every other rank: their hash. Every rank takes part (gathering sharded
+        weights is a collective)."""
+        state = {k: v.clone() for k, v in full_state(self.exported_tensors()).items()}
         if world()[0] == 0:
             return state
         return entries_digest({name: tensor_entry(t) for name, t in state.items()})
+
+    def exported_tensors(self) -> dict[str, torch.Tensor]:
+        """What `weights` ships: the whole state dict (an actor's: Actor.exported_tensors)."""
+        return self.worker.model.state_dict()
 
     def state(self) -> tuple[dict, dict] | None:
         """(model state, optimizer state), full tensors, for the driver's mirror: rank 0's;
@@ -135,6 +141,9 @@ class TrainRank:
 
 
 class ActorRank(TrainRank):
+    def exported_tensors(self) -> dict[str, torch.Tensor]:
+        return self.worker.exported_tensors()   # with LoRA, the adapter's factors
+
     def old_log_probs(self, batch: ExperienceBatch) -> tuple[list[str], torch.Tensor]:
         """(sample ids, (b, R) log-probs) of this rank's shard: the actor's recompute forward."""
         shard, w = shard_batch(batch, *world()), self.worker
@@ -311,12 +320,12 @@ class ActorGroup(_RoleGroup):
         self.local.attempt = value
 
     def export(self) -> tuple[dict[str, torch.Tensor], WeightManifest]:
-        """EXPORTING(v): rank 0's weights; every other rank's weights hash must equal theirs."""
+        """EXPORTING(v): rank 0's weights (with LoRA its adapter); every other rank's hash must
+        equal theirs. The manifest is the mirror's (Actor.manifest_of: its step and attempt)."""
         first, *hashes = self.replicas.call("weights")
-        loc = self.local
-        manifest = build_manifest(first, loc.run_id, loc.step, loc.attempt, loc.tokenizer_hash, loc.config_hash)
-        self.replicas.check_weights("actor", hashes, manifest.version.weights_hash)
-        loc.model.load_state_dict(first, strict=True)   # the mirror's weights are fresh now
+        manifest = self.local.manifest_of(first)
+        self.replicas.check_weights("actor", hashes, entries_digest(manifest.entries))
+        self.local.load_exported(first)   # the mirror's weights are fresh now (LoRA: its base never moves)
         self.replicas.model_stale = False
         return first, manifest
 

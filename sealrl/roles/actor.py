@@ -69,15 +69,30 @@ class Actor:
     def export(self) -> tuple[dict[str, torch.Tensor], WeightManifest | AdapterManifest]:
         """EXPORTING(v): a detached CPU copy of the weights and their manifest; with LoRA only
         the adapter's tensors, and a manifest naming the base by hash (sync/adapter.py)."""
+        state = {k: v.detach().cpu().clone() for k, v in self.exported_tensors().items()}
+        return state, self.manifest_of(state)
+
+    def exported_tensors(self) -> dict[str, torch.Tensor]:
+        """What a version ships, no copies: the whole state dict, or with LoRA the adapter's factors."""
+        return adapter_state(self.model) if self.base is not None else self.model.state_dict()
+
+    def manifest_of(self, state: dict[str, torch.Tensor]) -> WeightManifest | AdapterManifest:
+        """The manifest of an exported `state` at this actor's step and attempt."""
         if self.base is not None:
-            state = {k: v.detach().cpu().clone() for k, v in adapter_state(self.model).items()}
-            return state, build_adapter_manifest(state, adapter_scaling(self.model), self.base.version.weights_hash,
-                                                 self.run_id, self.step, self.attempt, self.tokenizer_hash,
-                                                 self.config_hash)
-        state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
-        manifest = build_manifest(state, self.run_id, self.step, self.attempt,
-                                  self.tokenizer_hash, self.config_hash)
-        return state, manifest
+            return build_adapter_manifest(state, adapter_scaling(self.model), self.base.version.weights_hash,
+                                          self.run_id, self.step, self.attempt, self.tokenizer_hash,
+                                          self.config_hash)
+        return build_manifest(state, self.run_id, self.step, self.attempt, self.tokenizer_hash, self.config_hash)
+
+    def load_exported(self, state: dict[str, torch.Tensor]) -> None:
+        """An exported `state` copied into this actor's tensors (a data-parallel group's mirror)."""
+        tensors = self.exported_tensors()
+        if state.keys() != tensors.keys():
+            differ = sorted(state.keys() ^ tensors.keys())
+            raise KeyError(f"exported state does not match the actor's tensors: {differ[:3]}")
+        with torch.no_grad():
+            for k, t in tensors.items():
+                t.copy_(state[k])
 
     # ---- old log-probs ------------------------------------------------------------------
     def compute_old_log_probs(self, batch: ExperienceBatch, version: PolicyVersion,
