@@ -183,6 +183,10 @@ def test_real_run_measured_metrics_agree(real_run):
                 <= r["rollout/group_completion_s_mean"] <= r["rollout/last_completion_s"] <= r["time/generate_s"])
         assert r["rollout/samples_ok"] == 16 and r["rollout/samples_dropped"] == 0 == r["rollout/samples_retried"]
         assert r["groups/effective_size_mean"] == 4 == r["groups/effective_size_min"]
+        # the engine's KV cache: at least one prompt's T_max columns of every layer's keys and values
+        # in fp32 (2 layers, 2 KV heads of 16 dims), and never fuller than what it reserved
+        assert r["memory/rollout_kv_peak_gb"] * 2**30 >= 2 * 2 * 2 * 16 * 4 * (1 + 1)
+        assert 0 < r["memory/rollout_kv_use"] <= 1
         shares = {k: v for k, v in r.items() if k.startswith("time/share_")}
         # the logged row's key order may differ: `other` = 1 - sum agrees to rounding
         assert shares == pytest.approx({f"time/share_{k}": v for k, v in stage_shares(r).items()}, abs=1e-12)

@@ -34,7 +34,7 @@ from sealrl.experience.wire import RolloutSample
 from sealrl.models.lora import adapter_scaling, adapter_state, apply_lora, base_state
 from sealrl.placement.process_rollout import GenerationProcessError, ProcessRollout
 from sealrl.roles.rollout import Rollout
-from sealrl.rollout import RolloutEngine
+from sealrl.rollout import RolloutEngine, kv_meter
 from sealrl.rollout.episodes import EpisodeSpec
 from sealrl.seams.rollout import CLIENTS, Capabilities, MissingCapability, missing_members
 from sealrl.sync.adapter import build_adapter_manifest
@@ -186,6 +186,34 @@ def test_same_requests_and_seeds_give_the_same_records(client, objects):
     assert_same_records(client.generate(requests, CONTRACT, v0.version), reference(model, tok, state, v0, requests))
     assert_same_records(client.generate(requests[::-1], CONTRACT, v0.version),   # another order, same records
                         reference(model, tok, state, v0, requests[::-1]))
+
+
+def test_the_kv_cache_take_is_the_calls_since_the_last(client, factory, objects):
+    """take_engine_stats (rollout/kv_meter.py) after a generate call: a process host reports what
+    the same call gives in this one; a pool of 2 its larger replica's, no more; the peak lies
+    between one prompt's cache and every prompt's plus two copies of every row's (a fan-out or a
+    compaction holds old and new at once), the filled share between the prompts' and all."""
+    model, tok, (state, v0), _, requests = objects
+    kv_meter.METER.take()
+    reference(model, tok, state, v0, requests)
+    want = kv_meter.METER.take()   # the in-process engine's, for the same call
+    client.load(state, v0)
+    client.take_engine_stats()     # forget the calls before
+    client.generate(requests, CONTRACT, v0.version)
+    got = client.take_engine_stats()
+    cfg = model.config
+    column = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    widths = [len(r.prompt_ids) for r in requests]
+    rows, prompts = sum(len(r.candidates) for r in requests), len({r.prompt_ids for r in requests})
+    t_max = max(widths) + CONTRACT.max_new_tokens - 1
+    assert column * (min(widths) + CONTRACT.max_new_tokens - 1) <= got["kv_peak_gb"] * 2**30 \
+        <= column * t_max * (prompts + 2 * rows)
+    assert min(widths) / t_max <= got["kv_use"] <= 1
+    if factory.kind == "ray_pool":
+        assert got["kv_peak_gb"] <= want["kv_peak_gb"]   # each replica decodes a share of the rows
+    else:
+        assert got == want
+    assert client.take_engine_stats() == {}   # nothing since
 
 
 def test_a_corrupted_version_activates_nothing_and_the_previous_keeps_serving(client, objects):

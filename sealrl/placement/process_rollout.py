@@ -119,6 +119,9 @@ class ProcessRollout:
     def take_recoveries(self) -> list[float]:
         return []
 
+    def take_engine_stats(self) -> dict[str, float]:
+        return self._call("take_engine_stats")   # the child's meter
+
     def close(self) -> None:
         """Stop the process (a polite stop, then terminate, then kill)."""
         for conn in (self._calls, self._weights):

@@ -164,6 +164,17 @@ class RolloutPool:
         recoveries, self.recoveries = self.recoveries, []
         return recoveries
 
+    def take_engine_stats(self) -> dict[str, float]:
+        """The replicas' KV-cache facts since the last take: the largest peak, the mean use (a
+        replica lost meanwhile is left out: its replacement counts in rollout/replica_replacements)."""
+        settled = self.group.settle("take_engine_stats", {k: () for k in range(self.group.num_workers)},
+                                    timeout_s=self.timeout_s)
+        takes = [t for t in settled.values() if isinstance(t, dict) and t]   # a WorkerError is not a dict
+        if not takes:
+            return {}
+        return {"kv_peak_gb": max(t["kv_peak_gb"] for t in takes),
+                "kv_use": sum(t["kv_use"] for t in takes) / len(takes)}
+
     def take_served(self) -> list[dict]:
         """Who served which sample id, per generate call since the last take (then forgotten)."""
         served, self.served = self.served, []

@@ -12,7 +12,7 @@ import torch
 from sealrl.experience import PolicyVersion, SamplingContract
 from sealrl.experience.wire import GenerationRequest, RolloutSample
 from sealrl.models.precision import resolve_device
-from sealrl.rollout import switching
+from sealrl.rollout import kv_meter, switching
 from sealrl.rollout.engine import RolloutEngine
 from sealrl.rollout.episodes import EpisodeRunner, EpisodeSpec
 from sealrl.rollout.vllm_engine import VllmEngine, VllmOptions
@@ -104,6 +104,11 @@ class Rollout:
     def take_served(self) -> list[dict]:
         """Who served which sample id (a replica pool's record): here, always this process."""
         return []
+
+    def take_engine_stats(self) -> dict[str, float]:
+        """The native engine's KV-cache peak and use since the last take (rollout/kv_meter.py);
+        {} with vLLM (its own gauge is not read yet)."""
+        return {} if isinstance(self.engine, VllmEngine) else kv_meter.METER.take()
 
     def close(self) -> None:
         """Stop the episodes' tool worker and vLLM's engine process, if any."""

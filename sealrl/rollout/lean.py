@@ -42,6 +42,7 @@ from torch import Tensor
 from transformers.activations import ACT2FN
 
 from sealrl.models.lean_forward import lean_unsupported_reason  # noqa: F401  (shared with the training forward)
+from sealrl.rollout.kv_meter import METER
 
 LM_HEAD_CHUNK = 1024  # vocabulary rows per LM-head GEMM (see the module docstring)
 
@@ -63,6 +64,7 @@ class KVCache:
     values: list[Tensor] = field(init=False)
 
     def __post_init__(self) -> None:
+        METER.allocated(self.kv)   # counted while alive (rollout/kv_meter.py)
         per_layer = self.kv.permute(1, 2, 3, 4, 0, 5)  # (L, 2, B, H_kv, T_max, D) view
         self.keys = list(per_layer[:, 0].unbind(0))
         self.values = list(per_layer[:, 1].unbind(0))
@@ -217,6 +219,7 @@ class LeanCausalLM:
             gate, up = _linear(_rms_scale(x, self.eps), layer.w_gate_up, layer.b_gate_up).chunk(2, -1)
             x = _linear_residual(x, self.act(gate) * up, layer.w_down, layer.b_down)
         cache.length = end
+        METER.forward(cache.kv, end)
         return self.logits(_rms_scale(x, self.eps))  # (B, V): T is 1 here
 
     def logits(self, h: Tensor) -> Tensor:

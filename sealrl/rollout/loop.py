@@ -149,6 +149,7 @@ def decode_loop(backend, prompts: list[tuple[int, ...]], group_of: list[int], se
     if start is None:
         start = prefilled(backend, prompts, max_new, device)
     logits, cache, P, pad_len, key_valid = start.logits, start.cache, start.width, start.pad_len, start.key_valid
+    start = None   # the prefill's cache is freed at the first fan-out, not kept for the call
     noise = uniform_noise(torch.tensor(seeds, dtype=torch.int64, device=device),
                           torch.arange(max_new, device=device))  # (N, max_new) per row
     out = RowOutputs.empty(len(seeds)) if out is None else out

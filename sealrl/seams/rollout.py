@@ -203,6 +203,10 @@ class RolloutClient(Protocol):
     def take_recoveries(self) -> list[float]:
         """Seconds of each replacement of a lost host since the last take."""
 
+    def take_engine_stats(self) -> dict[str, float]:
+        """The engine's KV-cache facts since the last take (rollout/kv_meter.py: `kv_peak_gb`,
+        `kv_use`; a pool's largest peak and mean use over its replicas); {} where not metered."""
+
     def close(self) -> None:
         """Release the client's processes and workers."""
 

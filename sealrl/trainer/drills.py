@@ -110,6 +110,9 @@ class _Rollout:
     def take_recoveries(self) -> list[float]:
         return self.inner.take_recoveries()
 
+    def take_engine_stats(self) -> dict[str, float]:
+        return self.inner.take_engine_stats()
+
     def close(self) -> None:
         self.inner.close()
 

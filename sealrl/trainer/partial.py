@@ -65,6 +65,9 @@ class SwitchingRollout:
     def take_recoveries(self) -> list[float]:
         return self._rollout.take_recoveries()
 
+    def take_engine_stats(self) -> dict[str, float]:
+        return self._rollout.take_engine_stats()
+
     def close(self) -> None:
         self._rollout.close()
 

@@ -72,6 +72,7 @@ def produce(run, it: int, indices: list[int], version) -> Produced:
                                      prompts)
     prompt_map = dict(zip(requests, prompts))
     roles.rollout.take_served()   # forget who served the evaluation's calls
+    roles.rollout.take_engine_stats()   # and what its KV caches took
     roles.reward.take_served()
     with early_scores(run, prompt_map.__getitem__) as early:   # reward.stream: scored as they finish
         with run.stage("generate", "rollout"):
@@ -90,7 +91,8 @@ def produce(run, it: int, indices: list[int], version) -> Produced:
     metrics = {**ledger.counts(), "reward/stray_replies": stray,
                **rollout_metrics(groups, records, run.timer.stage_seconds["generate"]),
                **stage_io_metrics(run.timer.stage_spans, groups, roles.rollout.take_recoveries()),
-               **episode_metrics([s for ss in groups.values() for s in ss])}
+               **episode_metrics([s for ss in groups.values() for s in ss]),
+               **{f"memory/rollout_{k}": v for k, v in roles.rollout.take_engine_stats().items()}}
     return Produced(it, version, ledger, prompt_map.__getitem__, groups, kept, records, texts, served, metrics,
                     baselines)
 
