@@ -163,9 +163,6 @@ def check_config(cfg: Config) -> None:
         raise ConfigError("rollout.max_staleness > 0 needs algorithm.correction=token_is or seq_is: the truncated "
                           "importance weights behaviour -> proximal of the decoupled PPO objective "
                           "(algos/decoupled.py)", "algorithm.correction")
-    if cfg.rollout.max_staleness and (cfg.algorithm.dynamic_sampling or cfg.algorithm.name == "remax"):
-        raise ConfigError("rollout.max_staleness > 0 with algorithm.dynamic_sampling or algorithm.name=remax is not "
-                          "built yet (their extra rounds sample in the training lane)", "rollout.max_staleness")
     if cfg.rollout.partial == "switch" and not cfg.rollout.max_staleness:   # rollout/switching.py, docs/async.md
         raise ConfigError("rollout.partial=switch needs rollout.max_staleness >= 1 (at 0 nothing is published while "
                           "generating)", "rollout.partial")

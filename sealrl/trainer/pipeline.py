@@ -64,8 +64,9 @@ class Produced:
 
 def produce(run, it: int, indices: list[int], version) -> Produced:
     """Generate and score iteration `it`'s prompts (`indices` into the training set) with
-    `version`: the first stages of an iteration, joined by its ledger. DAPO dynamic sampling
-    and ReMax's greedy baselines (synchronous runs only: config/loading.py check_config) complete it here."""
+    `version`: the first stages of an iteration, joined by its ledger. DAPO dynamic sampling's
+    further rounds and ReMax's greedy baselines complete it here, with the same version (in the
+    generation lane when rollout.max_staleness >= 1)."""
     cfg, roles = run.cfg, run.roles
     prompts = [run.data.train[i] for i in indices]
     ledger, requests = new_iteration(it, cfg.rollout.n, cfg.rollout.max_retries, cfg.run.name, cfg.run.seed,
