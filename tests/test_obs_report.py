@@ -12,7 +12,14 @@ import pytest
 
 from sealrl.obs.report import add_parser, binned, load_rows, pick_samples, render, write_report
 from sealrl.obs.svg import Series, line_chart, nice_ticks
-from sealrl.obs.timeline import mean_stage_shares, read_trace, stage_breakdown, stage_shares
+from sealrl.obs.timeline import (
+    critical_seconds,
+    critical_shares,
+    mean_stage_shares,
+    read_trace,
+    stage_breakdown,
+    stage_shares,
+)
 
 PAYLOAD = "<script>document.title='pwned'</script><img src=x onerror=\"document.title='pwned'\">&amp;"
 
@@ -61,6 +68,23 @@ def test_stage_shares_golden():
     assert stage_shares({"time/generate_s": 1.0}) == {}
     # overlapping stages (async) sum past 1: other is clamped at 0, never negative
     assert stage_shares({"time/a_s": 3.0, "time/b_s": 3.0, "time/iteration_s": 4.0})["other"] == 0.0
+
+
+def test_critical_seconds_golden():
+    # the training lane: prepare 0-1 s, waits 1-3 s for the generation lane, update 3-4 s; the
+    # generation lane: generate 0-2.5 s (of it, 1.5 s inside the wait), reward 2.5-3 s (inside
+    # it), generate again 3-4 s (the next iteration's, hidden behind the update: off the path)
+    own = [("prepare", 0.0, 1.0), ("update", 3.0, 4.0)]
+    lane = [("generate", 0.0, 2.5), ("reward", 2.5, 3.0), ("generate", 3.0, 4.0)]
+    crit = critical_seconds(own, lane, [(1.0, 3.0)])
+    assert crit == {"prepare": 1.0, "update": 1.0, "generate": 1.5, "reward": 0.5}
+    shares = critical_shares(crit, 4.0)
+    assert shares == {"time/critical_share_prepare": 0.25, "time/critical_share_update": 0.25,
+                      "time/critical_share_generate": 0.375, "time/critical_share_reward": 0.125,
+                      "time/critical_share_other": 0.0}
+    # one lane (the synchronous loop): the critical path is every stage
+    assert critical_seconds(own + [("generate", 1.0, 3.0)], [], []) == {"prepare": 1.0, "update": 1.0,
+                                                                      "generate": 2.0}
 
 
 def test_mean_stage_shares_weights_by_time():
@@ -187,6 +211,8 @@ def test_real_run_measured_metrics_agree(real_run):
         # in fp32 (2 layers, 2 KV heads of 16 dims), and never fuller than what it reserved
         assert r["memory/rollout_kv_peak_gb"] * 2**30 >= 2 * 2 * 2 * 16 * 4 * (1 + 1)
         assert 0 < r["memory/rollout_kv_use"] <= 1
+        critical = {k.replace("critical_", ""): v for k, v in r.items() if k.startswith("time/critical_share_")}
+        assert critical == pytest.approx({k: v for k, v in r.items() if k.startswith("time/share_")}, abs=1e-9)
         shares = {k: v for k, v in r.items() if k.startswith("time/share_")}
         # the logged row's key order may differ: `other` = 1 - sum agrees to rounding
         assert shares == pytest.approx({f"time/share_{k}": v for k, v in stage_shares(r).items()}, abs=1e-12)

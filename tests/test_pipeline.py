@@ -301,6 +301,19 @@ def test_a_failure_in_the_generation_lane_is_raised_in_the_training_lane(monkeyp
     assert not lanes._thread.is_alive()
 
 
+def test_the_critical_path_counts_the_generation_lane_only_where_training_waited(async_runs):
+    """Slow generation, fast updates: the training lane waits for every iteration, so generation
+    holds most of its critical path; the lanes' stages overlap (their shares sum past what the
+    iteration took, or near it), the critical shares never do."""
+    for run in async_runs.values():
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        for r in rows[1:]:   # iteration 0 may find its groups already made (the lane starts first)
+            crit = {k: v for k, v in r.items() if k.startswith("time/critical_share_")}
+            assert sum(crit.values()) == pytest.approx(1.0, abs=1e-9)   # other closes it
+            assert 0 < crit["time/critical_share_generate"] <= r["time/share_generate"] + 1e-9
+            assert crit["time/critical_share_generate"] > crit["time/critical_share_update"]
+
+
 def test_the_report_plots_the_realised_staleness(async_runs):
     from sealrl.obs.report import render
     html = render(async_runs[2])

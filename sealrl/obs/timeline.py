@@ -3,7 +3,12 @@ chrome://tracing) and the per-iteration share of wall time each stage takes.
 
 The synchronous loop runs its stages one after another, so the iteration's critical path is the
 sum of its stages: a stage's share of `time/iteration_s` is what removing it would save. Time
-not covered by a timed stage (driver bookkeeping, metrics, experience writes) is `other`."""
+not covered by a timed stage (driver bookkeeping, metrics, experience writes) is `other`.
+
+With a generation lane (rollout.max_staleness >= 1) the lanes' stages overlap and their shares
+can sum past 1. The critical path is then the training lane's: its own stages, and of the
+generation lane's stages only the time the training lane spent waiting for them
+(`critical_seconds`; `time/critical_share_<stage>` in docs/metrics.md)."""
 from __future__ import annotations
 
 import json
@@ -30,9 +35,14 @@ def stage_seconds(metrics_row: dict) -> dict[str, float]:
 
 
 def stage_breakdown(metrics_row: dict) -> dict[str, float]:
-    """{stage: seconds} plus `other` = iteration time not covered by a stage (clamped at 0)."""
-    out = stage_seconds(metrics_row)
+    """{stage: seconds} plus `other` = iteration time not covered by a stage (clamped at 0); a
+    row with critical-path shares (a generation lane) gives each stage's seconds on that path."""
     total = metrics_row.get("time/iteration_s")
+    prefix = "time/critical_share_"
+    critical = {k[len(prefix):]: v for k, v in metrics_row.items() if k.startswith(prefix)}
+    if critical and isinstance(total, (int, float)):
+        return {stage: share * total for stage, share in critical.items()}
+    out = stage_seconds(metrics_row)
     if isinstance(total, (int, float)):
         out["other"] = max(0.0, total - sum(out.values()))
     return out
@@ -48,6 +58,30 @@ def stage_shares(metrics_row: dict) -> dict[str, float]:
     shares = {stage: s / total for stage, s in stage_seconds(metrics_row).items()}
     shares["other"] = max(0.0, 1.0 - sum(shares.values()))
     return shares
+
+
+def critical_seconds(own: list[tuple[str, float, float]], lane: list[tuple[str, float, float]],
+                     waits: list[tuple[float, float]]) -> dict[str, float]:
+    """{stage: seconds on the training lane's critical path}: every `own` span (the training
+    lane's stages) whole, and of each `lane` span (the generation lane's) the part that overlaps
+    a wait of the training lane for it; spans are (stage, start, end) on one clock."""
+    out: dict[str, float] = {}
+    for name, start, end in own:
+        out[name] = out.get(name, 0.0) + end - start
+    for name, start, end in lane:
+        waited = sum(max(0.0, min(end, w1) - max(start, w0)) for w0, w1 in waits)
+        if waited > 0:
+            out[name] = out.get(name, 0.0) + waited
+    return out
+
+
+def critical_shares(critical: dict[str, float], iteration_s: float) -> dict[str, float]:
+    """`time/critical_share_<stage>` and `_other` (1 - their sum, clamped at 0) of an iteration."""
+    if iteration_s <= 0:
+        return {}
+    out = {f"time/critical_share_{k}": v / iteration_s for k, v in critical.items()}
+    out["time/critical_share_other"] = max(0.0, 1.0 - sum(out.values()))
+    return out
 
 
 def mean_stage_shares(rows: list[dict]) -> dict[str, float]:
@@ -94,11 +128,14 @@ class StageTimer:
         self.stage_peaks: dict[str, dict[str, float]] = {}   # stage -> {"rss_gb", "cuda_gb"} (obs/memory.py)
         self.stage_roles: dict[str, str] = {}                # stage -> the role it runs
         self.stage_spans: list[tuple[str, float, float]] = []
+        self.lane_spans: list[tuple[str, float, float]] = []   # of stage_spans, those absorbed from a lane
+        self.waits: list[tuple[float, float]] = []            # the training lane waiting for a lane
         self._events: list[dict] = []
         self._t0 = time.perf_counter()
 
     def start_iteration(self, iteration: int) -> None:
         self.iteration, self.stage_seconds, self.stage_spans, self.stage_peaks = iteration, {}, [], {}
+        self.lane_spans, self.waits = [], []
 
     def lane(self) -> StageTimer:
         """A timer for another thread's stages on this timeline (same clock, no trace file of
@@ -117,6 +154,7 @@ class StageTimer:
         self.stage_roles.update(other.stage_roles)
         other.stage_peaks = {}
         self.stage_spans = other.stage_spans + self.stage_spans
+        self.lane_spans = self.lane_spans + other.stage_spans
         self._events.extend(other._events)
         other.stage_seconds, other.stage_spans, other._events = {}, [], []
 
@@ -145,6 +183,21 @@ class StageTimer:
                                  "pid": 0, "tid": role,
                                  "args": {"iteration": self.iteration, "role": role, "worker": self.worker(role),
                                           "version": self.version}})
+
+    @contextmanager
+    def waiting(self):
+        """The training lane waits for the generation lane (its critical path goes through it)."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.waits.append((t, time.perf_counter()))
+
+    def critical_seconds(self) -> dict[str, float]:
+        """This iteration's stage seconds on the training lane's critical path (`critical_seconds`)."""
+        lane = set(self.lane_spans)
+        own = [s for s in self.stage_spans if s not in lane]
+        return critical_seconds(own, self.lane_spans, self.waits)
 
     def memory_metrics(self) -> dict[str, float]:
         """memory/<stage>_peak_<rss|cuda>_gb for this iteration's stages, and

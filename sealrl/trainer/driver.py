@@ -18,6 +18,7 @@ from sealrl.config import Config
 from sealrl.models.lora import save_policy
 from sealrl.obs.metrics import MetricsLogger
 from sealrl.obs.progress import Progress
+from sealrl.obs.timeline import critical_shares
 from sealrl.sync.adapter import sync_bytes
 from sealrl.sync.manifest import in_dtype
 from sealrl.trainer import drills, setup
@@ -123,6 +124,7 @@ def _loop(run: Run, lanes, start: int, version, before: dict, wall: float, logge
         metrics.update(run.timer.memory_metrics())   # peak memory per stage and role, weight sync included
         metrics["time/iteration_s"] = time.perf_counter() - t0
         metrics.update(share_metrics(metrics))
+        metrics.update(critical_shares(run.timer.critical_seconds(), metrics["time/iteration_s"]))
         wall += metrics["time/iteration_s"]          # training time: evaluation is not counted
         metrics["time/train_wall_s"] = wall
         if cfg.run.eval_every and (it + 1) % cfg.run.eval_every == 0 and it + 1 < cfg.run.iterations:

@@ -220,7 +220,8 @@ class Pipeline:
         """Iteration `it`'s scored groups: generated now (k = 0 inline) or taken from the queue."""
         if not self.threaded:
             return produce(self.run, it, self._prompts(it), self.sampled_by(it))
-        item = self._queue.get()
+        with self.run.timer.waiting():   # the training lane's critical path goes through the lane here
+            item = self._queue.get()
         if isinstance(item, BaseException):
             raise item
         assert item.iteration == it, f"generation lane delivered iteration {item.iteration}, expected {it}"
