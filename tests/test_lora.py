@@ -22,7 +22,7 @@ from sealrl.experience import (
 from sealrl.experience.wire import GenerationRequest
 from sealrl.models.hf import load_causal_lm, model_config_hash, save_causal_lm, tokenizer_hash
 from sealrl.models.logprobs import response_log_probs
-from sealrl.models.lora import adapter_state, apply_lora, base_state, has_lora, save_policy
+from sealrl.models.lora import adapter_scaling, adapter_state, apply_lora, base_state, has_lora, save_policy
 from sealrl.models.tiny import build_char_tokenizer, build_tiny_model
 from sealrl.placement.rollout_pool import RolloutPool
 from sealrl.placement.workers import LocalWorkerGroup
@@ -30,8 +30,8 @@ from sealrl.roles.actor import Actor
 from sealrl.roles.common import batch_log_probs
 from sealrl.roles.reference import Reference
 from sealrl.roles.rollout import Rollout
-from sealrl.sync.adapter import merge_adapter, sync_bytes
-from sealrl.sync.manifest import WeightSyncError, build_manifest
+from sealrl.sync.adapter import merge_adapter, rollout_copy, sync_bytes
+from sealrl.sync.manifest import WeightSyncError, build_manifest, in_dtype
 
 SMALL = dict(hidden_size=32, num_layers=2, intermediate_size=64)
 LORA = LoraConfig(rank=4, alpha=8.0, target_modules="all-linear")
@@ -163,6 +163,40 @@ def test_adapter_sync_serves_the_trained_policy_and_names_its_base(arch):
         fresh.load(state, manifest)
     with pytest.raises(WeightSyncError, match="needs a pinned base"):
         Rollout(other, tok).load(state, manifest)
+
+
+def test_a_bf16_rollout_pins_a_bf16_base_and_rounds_each_merged_weight_once():
+    """rollout.dtype=bf16 with LoRA: the rollout pins the base cast to bf16 (a base of its own
+    hash), each adapter version is named against it (a version of its own, at the same step;
+    its factors stay fp32), and the engine samples with bf16(bf16(W) + s * B @ A): its
+    log-probs are those of a bf16 model holding those weights, within bf16's parity bound
+    (0.25 nats, tests/test_rollout_large_vocab.py)."""
+    model, tok = _peft()
+    actor = _actor(model, tok)
+    rollout = Rollout(_plain_model()[0], tok)
+    base16, base_manifest16 = in_dtype(base_state(model), actor.base, "bf16")
+    pinned = rollout.pin_base(base16, base_manifest16)
+    assert pinned == base_manifest16.version.weights_hash != actor.base.version.weights_hash
+    state, manifest = actor.export()
+    assert rollout_copy(state, manifest, "fp32", actor.base.version.weights_hash) == (state, manifest)
+    state16, manifest16 = rollout_copy(state, manifest, "bf16", pinned)
+    assert state16 is state and manifest16.base_hash == pinned
+    assert manifest16.version.step == manifest.version.step
+    assert manifest16.version.weights_hash != manifest.version.weights_hash
+    with pytest.raises(WeightSyncError, match="this replica pinned base"):   # the fp32-base version: refused
+        rollout.load(state, manifest)
+    version = rollout.load(state16, manifest16)
+    assert rollout.backend == ("LeanBackend", "bfloat16")
+    out = rollout.generate([GenerationRequest("run/0/p", tuple(PROMPTS[0]), 3, (0, 1, 2))],
+                           SamplingContract(max_new_tokens=6), version)
+    merged = merge_adapter(base16, state, adapter_scaling(model))
+    assert all(merged[k].dtype == torch.bfloat16 for k in merged)
+    held = _plain_model()[0].to(torch.bfloat16)
+    held.load_state_dict(merged)
+    lp, _, _ = response_log_probs(held, [list(s.prompt_ids) for s in out], [list(s.response_ids) for s in out])
+    gap = max(float((torch.tensor(s.rollout_log_probs) - lp[i, :len(s.response_ids)].float()).abs().max())
+              for i, s in enumerate(out))
+    assert gap <= 0.25
 
 
 def _hashes(model, tok):

@@ -4,7 +4,8 @@ each gives the local run's samples and weights, and its run folder audits.
 - async generation (rollout.max_staleness=1): the generation lane drives the replicas while the
   training lane publishes; each replica stages the new version beside its running generate
   (placement/rollout_pool.py) and keeps serving the retained one the lane samples from;
-- LoRA: every replica pins the frozen base once and each version syncs only the adapter.
+- LoRA: every replica pins the frozen base once and each version syncs only the adapter (with
+  rollout.dtype=bf16 the base pinned in bf16).
 """
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ RAY = ["placement.backend=ray", "placement.rollout_replicas=2", "placement.num_c
 FEATURES = {
     "async": ["rollout.max_staleness=1", "algorithm.correction=token_is"],
     "lora": ["actor.lora.rank=4", "actor.lora.alpha=8", "actor.lr=5e-3"],
+    # the replicas pin the base in bf16 and merge each fp32 adapter into it (sync/adapter.rollout_copy)
+    "lora_bf16": ["actor.lora.rank=4", "actor.lora.alpha=8", "actor.lr=5e-3", "rollout.dtype=bf16",
+                  "algorithm.old_log_prob=recompute"],
 }
 
 

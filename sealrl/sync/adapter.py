@@ -26,6 +26,7 @@ from sealrl.sync.manifest import (
     WeightManifest,
     WeightSyncError,
     entries_digest,
+    in_dtype,
     tensor_entry,
     verify_weights,
 )
@@ -112,3 +113,17 @@ def sync_bytes(state: Mapping[str, torch.Tensor]) -> int:
     for t in state.values():
         seen[(t.device, t.data_ptr(), t.dtype, tuple(t.shape))] = t.numel() * t.element_size()
     return sum(seen.values())
+
+
+def rollout_copy(state: dict[str, Tensor], manifest, dtype: str, base_hash: str | None):
+    """What the rollout loads of an exported version: full weights in its `dtype` (in_dtype),
+    or an adapter named against the base the rollout pinned (`base_hash`). A bf16 copy of the
+    base is a base of its own, so the adapter on it is a version of its own, as a bf16 copy of
+    full weights is; its factors stay fp32 (each merge runs in fp32 and rounds once)."""
+    if not isinstance(manifest, AdapterManifest):
+        return in_dtype(state, manifest, dtype)
+    if base_hash is None or base_hash == manifest.base_hash:
+        return state, manifest
+    version = dataclasses.replace(manifest.version,
+                                  weights_hash=adapter_weights_hash(base_hash, manifest.entries, manifest.scaling))
+    return state, AdapterManifest(version, base_hash, manifest.entries, manifest.scaling)

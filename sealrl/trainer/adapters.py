@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from sealrl.config import Config, ConfigError
+from sealrl.config import Config
 from sealrl.models.lora import apply_lora, base_state, has_lora
 from sealrl.rollout.backends import weightless_template
 from sealrl.sync.manifest import build_manifest
@@ -16,9 +16,6 @@ def wrap_models(cfg: Config, model):
     The template (the rollout engine's structure, no weights) and the critic's backbone are taken
     from the plain policy before its adapter is injected (peft rewrites the model in place).
     Seeds: the critic as without LoRA (run.seed + 1), the adapters' A factors run.seed + 2 / + 3."""
-    if cfg.actor.lora.rank and cfg.rollout.dtype != "fp32":
-        raise ConfigError(f"actor.lora with rollout.dtype={cfg.rollout.dtype}: the rollout merges the adapter into "
-                          "its fp32 base; a bf16 rollout copy of an adapter is not built yet", "rollout.dtype")
     template = weightless_template(model)
     critic = None
     if cfg.algorithm.name == "ppo":

@@ -19,8 +19,7 @@ from sealrl.models.lora import save_policy
 from sealrl.obs.metrics import MetricsLogger
 from sealrl.obs.progress import Progress
 from sealrl.obs.timeline import critical_shares
-from sealrl.sync.adapter import sync_bytes
-from sealrl.sync.manifest import in_dtype
+from sealrl.sync.adapter import rollout_copy, sync_bytes
 from sealrl.trainer import drills, setup
 from sealrl.trainer.evaluate import evaluate
 from sealrl.trainer.inputs import check_inputs, write_dropped_rows
@@ -168,7 +167,8 @@ def publish(run: Run):
     weights, verifies every checksum of the manifest, then switches its active version. A
     corrupted or missing tensor raises WeightSyncError naming it; nothing is activated."""
     with run.stage("weight_sync", "rollout"):
-        state, manifest = in_dtype(*run.roles.actor.export(), run.cfg.rollout.dtype)  # checksums over what loads
+        # checksums over what loads: the rollout's dtype, or an adapter on the base the rollout pinned
+        state, manifest = rollout_copy(*run.roles.actor.export(), run.cfg.rollout.dtype, run.roles.rollout_base)
         run.sync_bytes = sync_bytes(state)   # with LoRA, the adapter's tensors only
         run.last_weights = state if run.cfg.rollout.max_staleness else None   # only an async lane keeps them
         run.to(Phase.EXPORTING, manifest.version.id)

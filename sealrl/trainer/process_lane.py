@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from sealrl.placement.process_rollout import GenerationProcessError, ProcessRollout
-from sealrl.sync.manifest import in_dtype
+from sealrl.sync.adapter import rollout_copy
 from sealrl.trainer.retained import version_manifest
 
 
@@ -29,7 +29,7 @@ class ProcessLane:
                     self.proc.load(weights, version_manifest(run, weights, version))
                     loaded.add(version.id)
             # the version the run starts from, exported again and verified there
-            state, manifest = in_dtype(*run.roles.actor.export(), run.cfg.rollout.dtype)
+            state, manifest = rollout_copy(*run.roles.actor.export(), run.cfg.rollout.dtype, run.roles.rollout_base)
             if self.proc.load(state, manifest) != first_version:
                 raise GenerationProcessError(f"generation process (pid {self.proc.pid}) loaded {manifest.version}, "
                                              f"the run starts from {first_version}")

@@ -65,9 +65,9 @@ def recall(run, resumed: dict) -> dict:
 
 def version_manifest(run, weights: dict, v: PolicyVersion):
     """The manifest of `weights` stamped like version `v` (full weights, or a LoRA adapter on
-    the actor's base): its version equals `v` only when the weights are v's."""
+    the base the rollout pinned): its version equals `v` only when the weights are v's."""
     if run.cfg.actor.lora.rank:
         actor = run.roles.actor
-        return build_adapter_manifest(weights, adapter_scaling(actor.model), actor.base.version.weights_hash,
+        return build_adapter_manifest(weights, adapter_scaling(actor.model), run.roles.rollout_base,
                                       v.run_id, v.step, v.attempt, v.tokenizer_hash, v.model_config_hash)
     return build_manifest(weights, v.run_id, v.step, v.attempt, v.tokenizer_hash, v.model_config_hash)

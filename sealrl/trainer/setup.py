@@ -34,7 +34,7 @@ from sealrl.roles.reward import Reward
 from sealrl.roles.rollout import Rollout
 from sealrl.rollout.vllm_engine import VllmOptions
 from sealrl.seams.rollout import RolloutClient
-from sealrl.sync.manifest import build_manifest
+from sealrl.sync.manifest import build_manifest, in_dtype
 from sealrl.trainer import adapters
 from sealrl.trainer.state import Phase, StateMachine
 from sealrl.trainer.watchdog import Watchdog
@@ -177,6 +177,7 @@ class Roles:
 
     closers: list = field(default_factory=list)   # placement resources, closed last
     rollout_factory: object = None   # local placement: builds the rollout role anew (rollout.lane=process)
+    rollout_base: str | None = None  # LoRA: the hash of the base the rollout pinned (in rollout.dtype)
 
     def workers(self) -> dict[str, str]:
         """Who does each role's stages, for the trace and failure messages: this process
@@ -239,8 +240,9 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
         ray_rollout_pool(cfg, template, tokenizer, closers, shared, episodes, vllm)
     if cfg.placement.backend == "local":   # the local role's tool worker and vLLM's engine process, if any
         closers.append(rollout.close)
-    if base is not None:   # LoRA: every version is an adapter on this base (every replica pins it)
-        rollout.pin_base(adapters.plain_base_state(model), base)
+    rollout_base = None
+    if base is not None:   # LoRA: every version is an adapter on this base, in rollout.dtype (every replica pins it)
+        rollout_base = rollout.pin_base(*in_dtype(adapters.plain_base_state(model), base, cfg.rollout.dtype))
     reference = None
     if cfg.algorithm.kl_coef > 0 and base is not None:   # LoRA: the base with the adapter off, no copy
         ref_version = dataclasses.replace(base.version, run_id="reference:base-adapter-off")
@@ -269,7 +271,7 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
             critic = data_parallel_role(cfg, "critic", make_critic, critic, closers)
     reward = Reward(build_reward_fn(cfg), cfg.reward.num_scorers, cfg.reward.timeout_s, cfg.reward.scorer_memory_mb)
     return Roles(actor, rollout, reward, reference, critic, tokenizer, closers,
-                 functools.partial(Rollout, template, tokenizer, episodes=episodes, rows=rows))
+                 functools.partial(Rollout, template, tokenizer, episodes=episodes, rows=rows), rollout_base)
 
 
 def vllm_options(cfg: Config) -> VllmOptions | None:
