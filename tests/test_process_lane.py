@@ -57,9 +57,13 @@ class DyingRollout(Rollout):
 
 # ---- bitwise the thread lane ----------------------------------------------------------------
 
-def test_k1_in_its_own_process_is_bitwise_the_thread_lane(tmp_path):
-    thread, thread_run = _train(tmp_path / "thread", "k1", "rollout.max_staleness=1", *ASYNC)
-    proc, proc_run = _train(tmp_path / "process", "k1", "rollout.max_staleness=1", "rollout.lane=process", *ASYNC)
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_k1_in_its_own_process_is_bitwise_the_thread_lane(tmp_path, lora):
+    """With LoRA the process pins the base once (over the weights pipe, verified there) and each
+    version sends only the adapter."""
+    extra = ["rollout.max_staleness=1", *ASYNC, *(["actor.lora.rank=4", "actor.lora.alpha=8"] if lora else [])]
+    thread, thread_run = _train(tmp_path / "thread", "k1", *extra)
+    proc, proc_run = _train(tmp_path / "process", "k1", "rollout.lane=process", *extra)
     assert proc["weights_hash"] == thread["weights_hash"]
     assert proc["optimizer_steps"] == thread["optimizer_steps"] == 4
     assert _files(proc_run) == _files(thread_run)          # the same sealed experience, iteration by iteration
@@ -192,10 +196,11 @@ def test_config_names_the_lane():
     with pytest.raises(ConfigError, match="rollout.lane"):
         build_config(None, ["rollout.lane=ray"])
     lane = ["rollout.lane=process", "rollout.max_staleness=1", "algorithm.correction=token_is"]
-    with pytest.raises(ConfigError, match=r"^actor.lora.rank=4 needs a rollout that can load LoRA adapters on a "
-                                          r"pinned base \(lora_adapters\); rollout.lane=process selects the generation "
+    with pytest.raises(ConfigError, match=r"^reward.stream=true needs a rollout that can stream finished rows "
+                                          r"\(streams_finished_rows\); rollout.lane=process selects the generation "
                                           r"process \(placement/process_rollout.py\), which cannot$"):
-        check_config(build_config(None, [*lane, "actor.lora.rank=4"]))
+        check_config(build_config(None, [*lane, "reward.stream=true", "reward.num_scorers=1"]))
+    check_config(build_config(None, [*lane, "actor.lora.rank=4"]))   # the process pins the base
     with pytest.raises(ConfigError, match=r"^rollout.lane=process with placement.backend=ray: the Ray replicas"):
         check_config(build_config(None, [*lane, "placement.backend=ray"]))   # they are other processes already
     # at max_staleness 0 there is no generation lane: the in-process engine generates, with LoRA

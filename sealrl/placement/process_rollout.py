@@ -7,7 +7,8 @@ Two pipes, one per direction of work, so neither waits on the other:
 
 - calls: generate (and retain). The caller's thread waits for the answer; the child's main
   thread serves them one after another.
-- weights: load(state, manifest). The child's loader thread stages the state, verifies every
+- weights: load(state, manifest), and with LoRA once pin_base (the frozen base). The child's
+  loader thread stages the state, verifies every
   checksum of the manifest (the two-phase sync of sealrl/sync: a corrupted tensor raises
   WeightSyncError naming it and activates nothing), then switches the active version. It runs
   while a generate call is in flight: that call keeps the version it was asked for (the engine
@@ -90,16 +91,19 @@ class ProcessRollout:
         return self._call("generate_switching", requests, contract, version, plan)
 
     def pin_base(self, state, manifest) -> str:
-        raise MissingCapability(self, "lora_adapters")   # the pinned base is not sent to the process
+        """LoRA: the frozen base, sent once over the weights pipe and verified there; every later
+        version is an adapter the child merges into it. Returns the base's hash."""
+        with self._load_lock:
+            self._alive("pin_base")
+            self._send(self._weights, "pin_base", _bytes(state), manifest)
+            return self._answer(self._weights, f"pin_base {manifest.version}")
 
     def retain(self, versions: int) -> None:
         self._call("retain", versions)
 
     def load(self, state, manifest) -> PolicyVersion:
         """Stage, verify and activate in the child (which may be generating meanwhile)."""
-        buf = io.BytesIO()
-        torch.save(dict(state), buf)
-        data = buf.getvalue()
+        data = _bytes(state)
         with self._load_lock:
             self._alive("load")
             self._send(self._weights, "load", data, manifest)
@@ -184,6 +188,12 @@ class ProcessRollout:
         raise self.failed
 
 
+def _bytes(state) -> bytes:
+    buf = io.BytesIO()
+    torch.save(dict(state), buf)
+    return buf.getvalue()
+
+
 # ---- the child ----------------------------------------------------------------------------
 
 def _serve(factory: bytes, threads: int, retain: int, calls: Connection, weights: Connection) -> None:
@@ -207,9 +217,12 @@ def _serve(factory: bytes, threads: int, retain: int, calls: Connection, weights
 
 
 def _load_loop(role, weights: Connection) -> None:
-    def load(_, args):
+    def load(method, args):
         data, manifest = args
-        version = role.load(torch.load(io.BytesIO(data), weights_only=True), manifest)
+        state = torch.load(io.BytesIO(data), weights_only=True)
+        if method == "pin_base":   # LoRA: the base later adapter versions merge into
+            return role.pin_base(state, manifest)
+        version = role.load(state, manifest)
         return version, role.backend
     _loop(weights, load)
 

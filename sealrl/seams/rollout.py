@@ -64,7 +64,7 @@ CLIENTS = {
     # its pipes carry no stream of finished rows; the pinned base is not sent to it
     "process": ClientKind("the generation process (placement/process_rollout.py)", Capabilities(
         streams_finished_rows=False, switches_versions=True, multi_turn=True, bounded_rows=True,
-        retained_versions=True, loads_while_generating=True, lora_adapters=False)),
+        retained_versions=True, loads_while_generating=True, lora_adapters=True)),
     # replicas activate each version together (and retain the last k); each replica stages a
     # version beside a running generate (two calls at once); every replica pins the LoRA base
     "ray_pool": ClientKind("the Ray replica pool (placement/rollout_pool.py)", Capabilities(
