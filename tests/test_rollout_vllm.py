@@ -28,7 +28,7 @@ PROMPTS = ["12+34=", "7+8=", "40+2=", "99+1="]
 
 
 @pytest.mark.parametrize("override, says", [
-    ("rollout.max_staleness=1", "max_staleness"),
+    ("rollout.max_staleness=1,rollout.partial=switch", "rollout.partial=switch"),
     ("rollout.top_p=0.9", "top_p=1"),
     ("rollout.top_k=5", "top_k=0"),
     ("reward.stream=true,reward.num_scorers=1", "reward.stream"),
@@ -239,10 +239,47 @@ def test_a_corrupted_or_missing_tensor_activates_nothing_and_is_named(setup):
 
 
 @needs_vllm
+def test_retained_versions_serve_and_an_activation_beside_a_generate_waits_for_nothing(setup):
+    """rollout.max_staleness >= 1: the engine keeps the verified copies of the last k versions;
+    a generate call for one that vLLM does not hold loads it first (verified after loading), and
+    an activation while a generate holds vLLM returns at once, leaving the load to the next call
+    that asks for its version. Each version samples what it sampled when it was the only one."""
+    import threading
+    engine, model, tok, base, hashes = setup
+    contract = SamplingContract(max_new_tokens=6)
+    (s1, m1), (s2, m2) = _version(base, 21, *hashes), _version(base, 22, *hashes)
+    engine.load_weights(s2, m2)
+    want2 = engine.generate(_requests(tok), contract, m2.version)
+    engine.load_weights(s1, m1)
+    want1 = engine.generate(_requests(tok), contract, m1.version)
+    engine.retain(2)
+    try:
+        with engine._engine:   # as while the generation lane's call runs
+            done = threading.Thread(target=lambda: engine.activate(engine.stage(s2, m2)))
+            done.start()
+            done.join(timeout=60)
+            assert not done.is_alive()   # it did not wait for the engine
+        assert engine.active_version == m2.version and engine._loaded.version == m1.version
+        same = lambda a, b: [(s.response_ids, s.rollout_log_probs) for s in a] == \
+            [(s.response_ids, s.rollout_log_probs) for s in b]   # noqa: E731
+        assert same(engine.generate(_requests(tok), contract, m1.version), want1)   # retained, still held
+        assert same(engine.generate(_requests(tok), contract, m2.version), want2)   # loaded for this call
+        assert engine._loaded.version == m2.version
+        assert same(engine.generate(_requests(tok), contract, m1.version), want1)   # and back
+        s3, m3 = _version(base, 23, *hashes)
+        engine.load_weights(s3, m3)   # vLLM idle: loaded at once; v1 leaves the two retained
+        assert engine._loaded.version == m3.version
+        with pytest.raises(VersionNotHeldError):
+            engine.generate(_requests(tok), contract, m1.version)
+    finally:
+        engine.retain(1)
+
+
+@needs_vllm
 def test_refusals_of_the_engine_itself(setup):
     engine, *_ = setup
-    with pytest.raises(ValueError, match="one version"):
-        engine.retain(2)
+    with pytest.raises(ValueError, match="at least 1"):
+        engine.retain(0)
     engine.retain(1)
     with pytest.raises(ValueError, match="top_k=0"):
         engine.generate(_requests(setup[2]), SamplingContract(top_p=0.9), engine.active_version)
@@ -282,6 +319,23 @@ def test_grpo_run_with_lora_on_vllm_is_audited_and_records_the_backend(tmp_path)
     assert len(lines) == 2 and lines[0]["actor/grad_norm"] > 0   # the first update moved the adapter
     for line in lines:   # the behaviour log-probs against the actor's forward, every iteration
         assert line["logprob/old_vs_rollout_log_prob_abs_diff_max"] <= 1e-5
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_an_async_run_on_vllm_samples_one_version_behind_and_is_audited(tmp_path):
+    """rollout.max_staleness=1: the generation lane samples iteration i with the version one
+    publication behind while the training lane publishes the next (retained copies, loaded into
+    vLLM by the call that asks for one)."""
+    from sealrl.audit import audit_run
+    run = _short_run(tmp_path, "arith_grpo.yaml", "rollout.max_staleness=1", "algorithm.correction=token_is",
+                     "run.iterations=3")
+    assert audit_run(run).failed_checks() == []
+    consumed = [json.loads(x) for x in (run / "experience" / "consumed.jsonl").read_text().splitlines()]
+    sampled = [c["sampled_by"].split("#")[0] for c in consumed]
+    assert len(consumed) == 3 and sampled[1] == sampled[0] and sampled[2] == consumed[0]["committed"]
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(line["logprob/old_vs_rollout_log_prob_abs_diff_max"] <= 1e-5 for line in lines[:1])
 
 
 @needs_vllm

@@ -32,9 +32,13 @@ Weights: one set. vLLM holds a single copy of the weights, so the two phases mea
   manifest; only then switch the version id and drop vLLM's prefix cache. On a mismatch the
   previous version's copy (kept while it is active) is loaded back and verified, and
   WeightSyncError names the tensor: the previous version keeps serving.
-  Between the load and that restore nothing generates (calls are sequential; generation with
-  rollout.max_staleness >= 1 from another thread is refused at config load).
-- retain(k > 1) is refused: one weight set serves one version.
+- retain(k > 1) (rollout.max_staleness >= 1): the verified copies of the last k activated
+  versions are kept here, and vLLM's one weight set holds whichever a generate call asks for:
+  a call for another version loads that copy first (verified after loading, as above). One
+  lock serialises vLLM's generate calls and its loads, so an activation while the generation
+  lane generates does not wait for it: it keeps the verified copy and the next call that asks
+  for it loads it (or the activation loads it at once when vLLM is idle). Sampling does not
+  depend on when a version was loaded: each request's randomness is its own seed's.
 LoRA: the adapter is verified against the pinned base and merged into a copy of it, as the
 native engine does (sync/adapter.py); the merged tensors are what the engine must then hold.
 """
@@ -43,6 +47,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -110,6 +115,10 @@ class VllmEngine:
             self.llm = _start(Path(folder), self.options)
         self._active: _Held | None = None
         self._staged: _Held | None = None
+        self._retained: list[_Held] = []   # the last `_keep` activated, oldest first (the active one last)
+        self._keep = 1
+        self._loaded: _Held | None = None   # what vLLM holds now, verified after loading (None: unknown)
+        self._engine = threading.Lock()     # one vLLM call at a time: a generate, or a load
         self._base: tuple[str, dict[str, Tensor]] | None = None   # LoRA: (hash, weights) of the pinned base
         self.max_rows, self.continuous = 0, False   # the native scheduler's knobs: refused at config load
 
@@ -133,9 +142,11 @@ class VllmEngine:
         return ("none", "none") if self._active is None else ("vllm", DTYPES[self.options.dtype])
 
     def retain(self, versions: int) -> None:
-        if versions != 1:
-            raise ValueError(f"rollout.backend=vllm serves one version (vLLM holds one weight set); "
-                             f"cannot retain {versions}")
+        """Keep serving the last `versions` activated versions (their verified copies here)."""
+        if versions < 1:
+            raise ValueError(f"retain needs at least 1 version, got {versions}")
+        self._keep = versions
+        self._retained = self._retained[-versions:]
 
     def pin_base(self, state_dict: Mapping[str, Tensor], manifest: WeightManifest) -> str:
         """LoRA: keep the frozen base (verified like a full version, in this process) that every
@@ -202,13 +213,19 @@ class VllmEngine:
             raise VersionNotHeldError(f"asked to activate {version}, this replica has "
                                       f"{'nothing' if held is None else held.version} staged")
         self._staged = None
-        try:
-            self._load_verified(held)
-        except WeightSyncError:
-            self._restore_active()
-            raise
-        self._reset_prefix_cache()   # no cached KV of the previous version serves the new one
+        # one version served: load now (nothing generates meanwhile); retained ones: only if vLLM is idle,
+        # else the next generate asking for it loads it
+        if self._engine.acquire(blocking=self._keep == 1):
+            try:
+                self._hold(held)
+            except WeightSyncError:
+                self._loaded = None
+                self._restore_active()
+                raise
+            finally:
+                self._engine.release()
         self._active = held
+        self._retained = (self._retained + [held])[-self._keep:]
         return version
 
     def load_weights(self, state_dict: Mapping[str, Tensor], manifest: WeightManifest) -> None:
@@ -216,16 +233,25 @@ class VllmEngine:
         self.activate(self.stage(state_dict, manifest))
 
     def _restore_active(self) -> None:
-        """After a failed activation: the previous version loaded back and verified, or, if even
-        that fails, nothing active (generate then refuses every version)."""
+        """After a failed activation (the engine lock held): the previous version loaded back and
+        verified, or, if even that fails, nothing active (generate then refuses every version)."""
         if self._active is None:
             return
         try:
-            self._load_verified(self._active)
+            self._hold(self._active)
         except WeightSyncError:
-            self._active = None
+            self._active, self._retained = None, []
             raise
+
+    def _hold(self, held: _Held) -> None:
+        """vLLM holds `held`, verified after loading, its prefix cache dropped (no cached KV of
+        another version serves it); nothing is done if it holds it already. The engine lock is held."""
+        if self._loaded is held:
+            return
+        self._loaded = None
+        self._load_verified(held)
         self._reset_prefix_cache()
+        self._loaded = held
 
     def _reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():   # refused while requests run: none may here
@@ -243,12 +269,18 @@ class VllmEngine:
             check_held(reported, held.manifest)
 
     def serving(self, version: PolicyVersion | None = None) -> _Snapshot:
-        """The version serving `version` (None: the active one); VersionNotHeldError otherwise."""
-        active = self.active_version
-        if active is None or (version is not None and version != active):
-            raise VersionNotHeldError(f"asked to generate with {version}, this replica holds "
-                                      f"{'nothing' if active is None else active}")
-        return _Snapshot(active)
+        """The version serving `version` (None: the active one), active or retained;
+        VersionNotHeldError otherwise."""
+        return _Snapshot(self._held(version).version)
+
+    def _held(self, version: PolicyVersion | None) -> _Held:
+        if self._active is not None and version in (None, self._active.version):
+            return self._active
+        for held in self._retained:
+            if held.version == version:
+                return held
+        raise VersionNotHeldError(f"asked to generate with {version}, this replica holds "
+                                  f"{[str(h.version) for h in self._retained] or 'nothing'}")
 
     # ---- generation ---------------------------------------------------------------------
 
@@ -270,7 +302,7 @@ class VllmEngine:
         samples, when vLLM returns them (vLLM's blocking call hands nothing on earlier)."""
         from vllm.inputs import TokensPrompt
         started = time.perf_counter()
-        snap = self.serving(version)
+        held = self._held(version)   # read once: this call uses this version to the end
         self.check_requests(requests)
         greedy = contract.top_k == 1 and contract.temperature == 1.0   # evaluation's greedy contract
         if contract.filtered and not greedy:
@@ -282,9 +314,11 @@ class VllmEngine:
         seeds = [candidate_seed(req.seed, cand) for req, cand in rows]
         prompts = [TokensPrompt(prompt_token_ids=list(req.prompt_ids)) for req, _ in rows]
         params = [self._params(contract, seed, greedy) for seed in seeds]
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        with self._engine:   # vLLM holds `held` for the whole call
+            self._hold(held)
+            outs = self.llm.generate(prompts, params, use_tqdm=False)
         finished = time.perf_counter() - started
-        samples = [self._sample(req, cand, seed, out, snap.version, finished, greedy)
+        samples = [self._sample(req, cand, seed, out, held.version, finished, greedy)
                    for (req, cand), seed, out in zip(rows, seeds, outs)]
         if stream is not None:
             stream(samples)

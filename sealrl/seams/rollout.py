@@ -80,12 +80,13 @@ SWITCHING = ClientKind("the switching generation (rollout/switching.py)", Capabi
 
 
 # rollout.backend=vllm: the engine inside the client is vLLM (rollout/vllm_engine.py). It holds one
-# weight set (no retained versions, no load beside a running generate, no switch mid-generation),
-# its blocking generate hands rows on only at the end, and it bounds rows by rollout.max_rows (its max_num_seqs);
+# weight set: retained versions are verified copies loaded into it when a generate call asks for one
+# (an activation beside a running generate waits for nothing); no switch mid-generation; its blocking
+# generate hands rows on only at the end, and it bounds rows by rollout.max_rows (its max_num_seqs);
 # episodes go in turn by turn as token ids, LoRA adapters are merged into the pinned base here
 VLLM = ClientKind("the vLLM engine (rollout/vllm_engine.py)", Capabilities(
     streams_finished_rows=False, switches_versions=False, multi_turn=True, bounded_rows=True,
-    retained_versions=False, loads_while_generating=False, lora_adapters=True))
+    retained_versions=True, loads_while_generating=True, lora_adapters=True))
 
 
 def narrowed(caps: Capabilities, by: Capabilities) -> Capabilities:
