@@ -126,7 +126,8 @@ def test_a_synchronous_publish_keeps_no_copy_of_the_published_weights(staleness)
     model, tokenizer = build_tiny_model(seed=0, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
     cfg = build_config(None, [f"rollout.max_staleness={staleness}"])
     actor = Actor(model, cfg.actor, cfg.algorithm, "run", tokenizer_hash(tokenizer), 1.0, 0, 10, HORIZON)
-    run = SimpleNamespace(cfg=cfg, roles=SimpleNamespace(actor=actor, rollout=Rollout(model, tokenizer)),
+    run = SimpleNamespace(cfg=cfg, roles=SimpleNamespace(actor=actor, rollout=Rollout(model, tokenizer),
+                                                            rollout_base=None),
                           stage=lambda *_: nullcontext(), to=lambda *_: None, last_weights=None)
     version = publish(run)
     assert run.roles.rollout.version == version

@@ -138,6 +138,8 @@ def test_grpo_two_actor_ranks_give_the_one_process_update_through_a_resume(tmp_p
     # bound is 1e-4; a row joined to another response's id is off by 1e-2 or more
     assert torch.allclose(a.get("old_log_probs"), b.get("old_log_probs"), atol=1e-4, rtol=0)
     for ma, mb in zip(metrics(local), metrics(dp)):
+        assert "perf/actor_collectives_s" not in ma   # one process: no collective
+        assert 0 < mb["perf/actor_collectives_s"] < mb["time/update_s"]   # the ranks' sums, all-reduces
         assert ma["actor/pg_loss"] == pytest.approx(mb["actor/pg_loss"], abs=1e-6)
         assert ma["actor/grad_norm"] == pytest.approx(mb["actor/grad_norm"], rel=1e-5)
         assert ma["actor/entropy"] == pytest.approx(mb["actor/entropy"], abs=1e-5)

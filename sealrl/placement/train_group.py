@@ -58,9 +58,12 @@ from sealrl.roles.distributed import (
     load_full_state,
     rank_seed,
     shard_batch,
+    take_collective_seconds,
     world,
 )
 from sealrl.sync.manifest import WeightManifest, entries_digest, tensor_entry
+
+COLLECTIVES = "_collectives_s"   # a rank's seconds in explicit collectives, beside its update's metrics
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -156,8 +159,10 @@ class ActorRank(TrainRank):
         return shard.sample_ids, lp
 
     def update(self, batch: ExperienceBatch, version: PolicyVersion, iteration: int, seed: int, kl_coef: float):
+        take_collective_seconds()
         metrics = self.worker.update(batch, version, iteration, seed, kl_coef)
-        return metrics, {"step": self.worker.step, "skipped_steps": self.worker.skipped_steps}
+        return {**metrics, COLLECTIVES: take_collective_seconds()}, \
+            {"step": self.worker.step, "skipped_steps": self.worker.skipped_steps}
 
 
 class CriticRank(TrainRank):
@@ -177,7 +182,10 @@ class CriticRank(TrainRank):
         return shard.sample_ids, shard.get("values"), shard.get("last_values")
 
     def update(self, batch: ExperienceBatch, seed: int = 0):
-        return self.worker.update(batch, seed), {"step": self.worker.step, "skipped_steps": self.worker.skipped_steps}
+        take_collective_seconds()
+        metrics = self.worker.update(batch, seed)
+        return {**metrics, COLLECTIVES: take_collective_seconds()}, \
+            {"step": self.worker.step, "skipped_steps": self.worker.skipped_steps}
 
 
 # ---- on the driver -------------------------------------------------------------------------
@@ -282,7 +290,10 @@ class _RoleGroup:
         if any(c != counters for _, c in results):
             raise ReplicaMismatchError(f"{role} ranks disagree on counters: {[c for _, c in results]}")
         self.local.step, self.local.skipped_steps = counters["step"], counters["skipped_steps"]
-        return results[0][0]
+        seconds = [m.pop(COLLECTIVES) for m, _ in results]   # each rank's own: the slowest waited longest
+        if len(results) == 1:   # one rank talks to no one
+            return results[0][0]
+        return {**results[0][0], f"perf/{role}_collectives_s": max(seconds)}
 
     def snapshot(self) -> dict:
         """Every rank keeps its own (sharded) committed state; the driver keeps the counters."""

@@ -34,15 +34,42 @@ passes (`idle_passes`: one row, loss x 0, zero gradient). Full tensors for expor
 and resume are gathered / cut with `full_state`, `full_optimizer_state`, `load_full_state`,
 `load_full_optimizer_state` (collectives when sharded: every rank calls them, in one order);
 rollback snapshots stay sharded. Works on CPU with gloo; the same code runs with nccl on GPUs.
+
+Time in collectives: the calls here that talk to the other ranks (`all_reduce_sums`,
+`all_gather_cat`, `all_reduce_grads`, the gathered gradient norm) add their wall seconds to a
+per-process counter that `take_collective_seconds` reads and resets (docs/metrics.md,
+`perf/<role>_collectives_s`). FSDP2's own all-gathers and reduce-scatters run inside forward and
+backward, overlapped with compute, and are not in it.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+import time
 
 import torch
 import torch.distributed as dist
 
 from sealrl.experience import ExperienceBatch, split_ids
+
+_collective_s = [0.0]   # wall seconds in the collectives below since the last take (this process)
+
+
+def _timed(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _collective_s[0] += time.perf_counter() - t
+    return wrapper
+
+
+def take_collective_seconds() -> float:
+    """Seconds this process spent in the explicit collectives since the last take (then 0)."""
+    seconds, _collective_s[0] = _collective_s[0], 0.0
+    return seconds
 
 
 def rank_seed(run_seed: int, rank: int) -> int:
@@ -74,6 +101,7 @@ def own_rows(batch: ExperienceBatch, idx: torch.Tensor) -> torch.Tensor:
     return idx[torch.tensor([sid in mine for sid in ids], dtype=torch.bool)]
 
 
+@_timed
 def all_reduce_sums(values: dict[str, float]) -> dict[str, float]:
     """SUM of per-rank scalars (loss shares, token-weighted metrics). A rank may lack keys (a
     rank without rows in a minibatch has no metrics): the union is reduced, missing = 0."""
@@ -89,6 +117,7 @@ def all_reduce_sums(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, t.tolist()))
 
 
+@_timed
 def all_gather_cat(values: torch.Tensor) -> torch.Tensor:
     """Every rank's 1-D tensor, concatenated in rank order (CPU). For statistics that do not add
     up over ranks (min, max, quantiles of per-token values): over the gathered values they are
@@ -100,6 +129,7 @@ def all_gather_cat(values: torch.Tensor) -> torch.Tensor:
     return torch.cat(gathered)
 
 
+@_timed
 def all_reduce_grads(params: list[torch.nn.Parameter]) -> None:
     """SUM every trainable parameter's gradient over ranks, in one flat buffer.
     A parameter without a gradient on this rank (empty shard) takes part as zeros; one that
@@ -201,7 +231,7 @@ def clip_grad_norm(params, max_norm: float) -> float:
     """clip_grad_norm_ (max_norm <= 0: no clipping) on plain or DTensor gradients; the norm of
     the whole (global) gradient, the same float on every rank."""
     total = torch.nn.utils.clip_grad_norm_(list(params), max_norm if max_norm > 0 else float("inf"))
-    return float(_full(total))
+    return float(_timed(_full)(total))
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
