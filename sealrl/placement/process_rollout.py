@@ -147,8 +147,12 @@ class ProcessRollout:
     def _call(self, method: str, *args):
         with self._call_lock:
             self._alive(method)
-            self._send(self._calls, method, *args)
-            return self._answer(self._calls, method)
+            self._in_flight = method
+            try:
+                self._send(self._calls, method, *args)
+                return self._answer(self._calls, method)
+            finally:
+                self._in_flight = None
 
     def _alive(self, what: str) -> None:
         if self.failed is not None:
@@ -160,6 +164,11 @@ class ProcessRollout:
         try:
             conn.send((method, args))
         except (OSError, ValueError) as e:
+            deadline = time.monotonic() + 5   # a broken pipe: the process is gone, or going; the other
+            while self._proc.exitcode is None and time.monotonic() < deadline:   # pipe's waiter may reap it
+                self._proc.join(timeout=0.1)
+            if self._proc.exitcode is not None:
+                self._fail(f"exited with code {self._proc.exitcode} during {self._in_flight or method}")
             self._fail(f"cannot be reached for {method} ({type(e).__name__}: {e})")
 
     def _answer(self, conn: Connection, what: str, timeout_s: float | None = None):
@@ -168,7 +177,7 @@ class ProcessRollout:
         while not conn.poll(0.1):
             if not self._proc.is_alive():
                 self._proc.join()
-                self._fail(f"exited with code {self._proc.exitcode} during {what}")
+                self._fail(f"exited with code {self._proc.exitcode} during {self._in_flight or what}")
             if time.monotonic() > deadline:
                 self._proc.kill()
                 self._proc.join()
@@ -178,13 +187,16 @@ class ProcessRollout:
             status, value = conn.recv()
         except (EOFError, OSError):
             self._proc.join(timeout=5)
-            self._fail(f"exited with code {self._proc.exitcode} during {what}")
+            self._fail(f"exited with code {self._proc.exitcode} during {self._in_flight or what}")
         if status == "error":
             raise value
         return value
 
     def _fail(self, reason: str):
-        self.failed = GenerationProcessError(f"generation process (pid {self.pid}) {reason}")
+        """Raise the process's failure: the first one found (by either pipe's caller) is kept, so
+        every later call, and the training lane, name the same."""
+        if self.failed is None:
+            self.failed = GenerationProcessError(f"generation process (pid {self.pid}) {reason}")
         raise self.failed
 
 
