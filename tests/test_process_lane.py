@@ -196,11 +196,8 @@ def test_config_names_the_lane():
     with pytest.raises(ConfigError, match="rollout.lane"):
         build_config(None, ["rollout.lane=ray"])
     lane = ["rollout.lane=process", "rollout.max_staleness=1", "algorithm.correction=token_is"]
-    with pytest.raises(ConfigError, match=r"^reward.stream=true needs a rollout that can stream finished rows "
-                                          r"\(streams_finished_rows\); rollout.lane=process selects the generation "
-                                          r"process \(placement/process_rollout.py\), which cannot$"):
-        check_config(build_config(None, [*lane, "reward.stream=true", "reward.num_scorers=1"]))
-    check_config(build_config(None, [*lane, "actor.lora.rank=4"]))   # the process pins the base
+    # the process client declares every capability: the base is pinned there, finished rows stream back
+    check_config(build_config(None, [*lane, "actor.lora.rank=4", "reward.stream=true", "reward.num_scorers=1"]))
     with pytest.raises(ConfigError, match=r"^rollout.lane=process with placement.backend=ray: the Ray replicas"):
         check_config(build_config(None, [*lane, "placement.backend=ray"]))   # they are other processes already
     # at max_staleness 0 there is no generation lane: the in-process engine generates, with LoRA

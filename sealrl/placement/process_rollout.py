@@ -6,7 +6,8 @@ process with its own torch threads and its own GIL.
 Two pipes, one per direction of work, so neither waits on the other:
 
 - calls: generate (and retain). The caller's thread waits for the answer; the child's main
-  thread serves them one after another.
+  thread serves them one after another. A streamed generate (reward.stream) sends the rows
+  that finished at each decode step ahead of its answer, handed on in the caller's thread.
 - weights: load(state, manifest), and with LoRA once pin_base (the frozen base). The child's
   loader thread stages the state, verifies every
   checksum of the manifest (the two-phase sync of sealrl/sync: a corrupted tensor raises
@@ -39,7 +40,7 @@ import torch.multiprocessing as mp
 
 from sealrl.experience import PolicyVersion
 from sealrl.placement.workers import RemoteCallError
-from sealrl.seams.rollout import CLIENTS, MissingCapability
+from sealrl.seams.rollout import CLIENTS
 
 
 class GenerationProcessError(RuntimeError):
@@ -77,9 +78,11 @@ class ProcessRollout:
 
     # ---- the rollout client (seams/rollout.py) ------------------------------------------------
     def generate(self, requests, contract, version, stream=None):
-        if stream is not None:   # the pipes carry answers, not a stream of finished rows
-            raise MissingCapability(self, "streams_finished_rows")
-        return self._call("generate", requests, contract, version)
+        """`stream(samples)`: the rows that finished at a decode step, sent over the calls pipe as
+        they finish (before the answer) and handed on here, in the calling thread."""
+        if stream is None:
+            return self._call("generate", requests, contract, version)
+        return self._call("generate_streamed", requests, contract, version, stream=stream)
 
     def generate_switching(self, requests, contract, version, plan=None, resolve=None):
         """rollout.partial=switch: the switch happens there, on the loads it receives meanwhile;
@@ -144,13 +147,13 @@ class ProcessRollout:
             conn.close()
 
     # ---- waits with a deadline -------------------------------------------------------------
-    def _call(self, method: str, *args):
+    def _call(self, method: str, *args, stream=None):
         with self._call_lock:
             self._alive(method)
             self._in_flight = method
             try:
                 self._send(self._calls, method, *args)
-                return self._answer(self._calls, method)
+                return self._answer(self._calls, method, stream=stream)
             finally:
                 self._in_flight = None
 
@@ -171,26 +174,31 @@ class ProcessRollout:
                 self._fail(f"exited with code {self._proc.exitcode} during {self._in_flight or method}")
             self._fail(f"cannot be reached for {method} ({type(e).__name__}: {e})")
 
-    def _answer(self, conn: Connection, what: str, timeout_s: float | None = None):
+    def _answer(self, conn: Connection, what: str, timeout_s: float | None = None, stream=None):
+        """The call's answer within `timeout_s`; streamed rows before it go to `stream`."""
         timeout_s = timeout_s or self.timeout_s
         deadline = time.monotonic() + timeout_s
-        while not conn.poll(0.1):
-            if not self._proc.is_alive():
-                self._proc.join()
+        while True:
+            while not conn.poll(0.1):
+                if not self._proc.is_alive():
+                    self._proc.join()
+                    self._fail(f"exited with code {self._proc.exitcode} during {self._in_flight or what}")
+                if time.monotonic() > deadline:
+                    self._proc.kill()
+                    self._proc.join()
+                    self._fail(f"missed the deadline of {timeout_s:g} s (placement.timeout_s) during {what}; "
+                               "it was stopped")
+            try:
+                status, value = conn.recv()
+            except (EOFError, OSError):
+                self._proc.join(timeout=5)
                 self._fail(f"exited with code {self._proc.exitcode} during {self._in_flight or what}")
-            if time.monotonic() > deadline:
-                self._proc.kill()
-                self._proc.join()
-                self._fail(f"missed the deadline of {timeout_s:g} s (placement.timeout_s) during {what}; "
-                           "it was stopped")
-        try:
-            status, value = conn.recv()
-        except (EOFError, OSError):
-            self._proc.join(timeout=5)
-            self._fail(f"exited with code {self._proc.exitcode} during {self._in_flight or what}")
-        if status == "error":
-            raise value
-        return value
+            if status == "stream" and stream is not None:
+                stream(value)
+                continue
+            if status == "error":
+                raise value
+            return value
 
     def _fail(self, reason: str):
         """Raise the process's failure: the first one found (by either pipe's caller) is kept, so
@@ -222,10 +230,21 @@ def _serve(factory: bytes, threads: int, retain: int, calls: Connection, weights
     calls.send(("ok", os.getpid()))
     threading.Thread(target=_load_loop, args=(role, weights), name="sealrl-weights", daemon=True).start()
     try:
-        _loop(calls, lambda method, args: getattr(role, method)(*args))
+        _loop(calls, lambda method, args: _serve_call(role, calls, method, args))
     finally:
         role.close()   # its episodes' tool worker
     os._exit(0)   # every answer is sent: skip the interpreter's slow teardown (the loader thread, torch)
+
+
+def _serve_call(role, calls: Connection, method: str, args: tuple):
+    """One call on the role; a streamed generate sends each step's finished rows ahead of its answer."""
+    if method != "generate_streamed":
+        return getattr(role, method)(*args)
+
+    def send(samples) -> None:
+        if samples:
+            calls.send(("stream", samples))
+    return role.generate(*args, stream=send)
 
 
 def _load_loop(role, weights: Connection) -> None:

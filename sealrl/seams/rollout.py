@@ -61,9 +61,9 @@ CLIENTS = {
     "engine": ClientKind("the in-process engine (roles/rollout.py)", Capabilities(
         streams_finished_rows=True, switches_versions=True, multi_turn=True, bounded_rows=True,
         retained_versions=True, loads_while_generating=True, lora_adapters=True)),
-    # its pipes carry no stream of finished rows; the pinned base is not sent to it
+    # a streamed generate sends finished rows ahead of its answer; the pinned base goes over the weights pipe
     "process": ClientKind("the generation process (placement/process_rollout.py)", Capabilities(
-        streams_finished_rows=False, switches_versions=True, multi_turn=True, bounded_rows=True,
+        streams_finished_rows=True, switches_versions=True, multi_turn=True, bounded_rows=True,
         retained_versions=True, loads_while_generating=True, lora_adapters=True)),
     # replicas activate each version together (and retain the last k); each replica stages a
     # version beside a running generate (two calls at once); every replica pins the LoRA base
