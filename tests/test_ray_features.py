@@ -27,8 +27,8 @@ RAY = ["placement.backend=ray", "placement.rollout_replicas=2", "placement.num_c
        "placement.cpus_per_replica=0.5", "placement.timeout_s=120"]
 FEATURES = {
     "async": ["rollout.max_staleness=1", "algorithm.correction=token_is"],
-    "lora": ["actor.lora.rank=4", "actor.lora.alpha=8", "actor.lr=5e-3"],
-    # the replicas pin the base in bf16 and merge each fp32 adapter into it (sync/adapter.rollout_copy)
+    # the replicas pin the base in bf16 and merge each fp32 adapter into it (sync/adapter.rollout_copy);
+    # fp32 LoRA on 2 replicas (and 2 ranks): tests/test_train_group.py
     "lora_bf16": ["actor.lora.rank=4", "actor.lora.alpha=8", "actor.lr=5e-3", "rollout.dtype=bf16",
                   "algorithm.old_log_prob=recompute"],
 }
