@@ -167,12 +167,17 @@ class ProcessRollout:
         try:
             conn.send((method, args))
         except (OSError, ValueError) as e:
-            deadline = time.monotonic() + 5   # a broken pipe: the process is gone, or going; the other
-            while self._proc.exitcode is None and time.monotonic() < deadline:   # pipe's waiter may reap it
-                self._proc.join(timeout=0.1)
-            if self._proc.exitcode is not None:
+            if self._exit_code() is not None:   # a broken pipe: the process is gone
                 self._fail(f"exited with code {self._proc.exitcode} during {self._in_flight or method}")
             self._fail(f"cannot be reached for {method} ({type(e).__name__}: {e})")
+
+    def _exit_code(self, wait_s: float = 5.0) -> int | None:
+        """The process's exit code once it has exited (within `wait_s`), else None. The other
+        pipe's waiter may be the one reaping it, so this polls rather than joins once."""
+        deadline = time.monotonic() + wait_s
+        while self._proc.exitcode is None and time.monotonic() < deadline:
+            self._proc.join(timeout=0.1)
+        return self._proc.exitcode
 
     def _answer(self, conn: Connection, what: str, timeout_s: float | None = None, stream=None):
         """The call's answer within `timeout_s`; streamed rows before it go to `stream`."""
@@ -191,8 +196,7 @@ class ProcessRollout:
             try:
                 status, value = conn.recv()
             except (EOFError, OSError):
-                self._proc.join(timeout=5)
-                self._fail(f"exited with code {self._proc.exitcode} during {self._in_flight or what}")
+                self._fail(f"exited with code {self._exit_code()} during {self._in_flight or what}")
             if status == "stream" and stream is not None:
                 stream(value)
                 continue

@@ -135,6 +135,13 @@ class TrainRank:
         for name, value in counters.items():
             setattr(self.worker, name, value)
 
+    def _update(self, *args) -> tuple[dict, dict]:
+        """(the worker's update metrics plus this rank's seconds in collectives, its counters)."""
+        take_collective_seconds()
+        metrics = self.worker.update(*args)
+        return {**metrics, COLLECTIVES: take_collective_seconds()}, \
+            {"step": self.worker.step, "skipped_steps": self.worker.skipped_steps}
+
     def keep_snapshot(self) -> None:
         """The committed state, kept here (never shipped) until `restore_snapshot`."""
         self._snapshot = self.worker.snapshot()
@@ -159,10 +166,7 @@ class ActorRank(TrainRank):
         return shard.sample_ids, lp
 
     def update(self, batch: ExperienceBatch, version: PolicyVersion, iteration: int, seed: int, kl_coef: float):
-        take_collective_seconds()
-        metrics = self.worker.update(batch, version, iteration, seed, kl_coef)
-        return {**metrics, COLLECTIVES: take_collective_seconds()}, \
-            {"step": self.worker.step, "skipped_steps": self.worker.skipped_steps}
+        return self._update(batch, version, iteration, seed, kl_coef)
 
 
 class CriticRank(TrainRank):
@@ -182,10 +186,7 @@ class CriticRank(TrainRank):
         return shard.sample_ids, shard.get("values"), shard.get("last_values")
 
     def update(self, batch: ExperienceBatch, seed: int = 0):
-        take_collective_seconds()
-        metrics = self.worker.update(batch, seed)
-        return {**metrics, COLLECTIVES: take_collective_seconds()}, \
-            {"step": self.worker.step, "skipped_steps": self.worker.skipped_steps}
+        return self._update(batch, seed)
 
 
 # ---- on the driver -------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import torch
 from sealrl.config import Config
 from sealrl.models.lora import apply_lora, base_state, has_lora
 from sealrl.rollout.backends import weightless_template
-from sealrl.sync.manifest import build_manifest
+from sealrl.sync.manifest import build_manifest, in_dtype
 
 
 def wrap_models(cfg: Config, model):
@@ -37,6 +37,7 @@ def base_hash(model) -> str | None:
                           ).version.weights_hash
 
 
-def plain_base_state(model) -> dict[str, torch.Tensor]:
-    """The base's tensors under their plain names, detached on the CPU (the rollout pins them)."""
-    return {k: v.detach().cpu() for k, v in base_state(model).items()}
+def pinned_base(model, base, dtype: str):
+    """(state, manifest) the rollout pins: the base's tensors under their plain names, detached
+    on the CPU, in rollout.dtype (`base`: the actor's base manifest; in_dtype)."""
+    return in_dtype({k: v.detach().cpu() for k, v in base_state(model).items()}, base, dtype)

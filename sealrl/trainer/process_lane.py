@@ -14,8 +14,7 @@ import torch
 
 from sealrl.placement.process_rollout import GenerationProcessError, ProcessRollout
 from sealrl.sync.adapter import rollout_copy
-from sealrl.sync.manifest import in_dtype
-from sealrl.trainer.adapters import plain_base_state
+from sealrl.trainer.adapters import pinned_base
 from sealrl.trainer.retained import version_manifest
 
 
@@ -27,7 +26,7 @@ class ProcessLane:
         try:
             if run.roles.rollout_base is not None:   # LoRA: the base the versions merge into, pinned there too
                 actor = run.roles.actor
-                self.proc.pin_base(*in_dtype(plain_base_state(actor.model), actor.base, run.cfg.rollout.dtype))
+                self.proc.pin_base(*pinned_base(actor.model, actor.base, run.cfg.rollout.dtype))
             loaded = set()
             for _, (version, weights) in sorted((recalled or {}).items()):   # a resume: the versions the lane
                 if weights is not None and version.id not in loaded:          # still samples from, oldest first

@@ -34,7 +34,7 @@ from sealrl.roles.reward import Reward
 from sealrl.roles.rollout import Rollout
 from sealrl.rollout.vllm_engine import VllmOptions
 from sealrl.seams.rollout import RolloutClient
-from sealrl.sync.manifest import build_manifest, in_dtype
+from sealrl.sync.manifest import build_manifest
 from sealrl.trainer import adapters
 from sealrl.trainer.state import Phase, StateMachine
 from sealrl.trainer.watchdog import Watchdog
@@ -242,7 +242,7 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
         closers.append(rollout.close)
     rollout_base = None
     if base is not None:   # LoRA: every version is an adapter on this base, in rollout.dtype (every replica pins it)
-        rollout_base = rollout.pin_base(*in_dtype(adapters.plain_base_state(model), base, cfg.rollout.dtype))
+        rollout_base = rollout.pin_base(*adapters.pinned_base(model, base, cfg.rollout.dtype))
     reference = None
     if cfg.algorithm.kl_coef > 0 and base is not None:   # LoRA: the base with the adapter off, no copy
         ref_version = dataclasses.replace(base.version, run_id="reference:base-adapter-off")
