@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
 
 def head_memory(dtype: torch.dtype, chunk: int) -> dict:
@@ -70,7 +71,7 @@ TRAIN = ["run.iterations=3", "run.loggers=", "run.checkpoint_every=0", "data.num
          "rollout.device=cuda"]
 
 
-def train_on_cuda(name: str, *extra: str) -> dict:
+def train_on_cuda(name: str, *extra: str, example: str | None = None) -> dict:
     """A short run of the embedded model with every role on cuda: its final weights hash, the
     first and last iteration's reward and loss, its wall time and whether its audit passes."""
     from sealrl.audit import audit_run
@@ -78,7 +79,8 @@ def train_on_cuda(name: str, *extra: str) -> dict:
     from sealrl.trainer.driver import train
     out = Path(tempfile.mkdtemp(prefix=f"gpu_check_{name}_"))
     started = time.perf_counter()
-    summary = train(build_config(None, [*TRAIN, *extra, f"run.output_dir={out}", "run.name=r"]))
+    raw = yaml.safe_load(Path(example).read_text()) if example else None
+    summary = train(build_config(raw, [*TRAIN, *extra, f"run.output_dir={out}", "run.name=r"]))
     rows = [json.loads(x) for x in (out / "r" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "actor/pg_loss" in r]
     report = audit_run(out / "r")
@@ -90,14 +92,23 @@ def train_on_cuda(name: str, *extra: str) -> dict:
 
 
 def trainings() -> tuple[dict, bool]:
-    """The four runs (a crash is reported as that run's error, the others still run) and
-    whether all completed, audited clean, and the fp32 run repeated to the same weights."""
+    """The runs (a crash is reported as that run's error, the others still run) and whether
+    all completed, audited clean, and the fp32 run repeated to the same weights. Beyond the
+    plain GRPO and PPO runs: LoRA (fp32 and with a bf16 rollout), async with the generation in
+    its own process (CUDA in a spawned child), continuous batching, and tool episodes."""
     runs = {}
     bf16 = ("actor.dtype=bf16", "rollout.dtype=bf16")
+    lora = ("actor.lora.rank=8", "actor.lora.alpha=16", "actor.lora.target_modules=all-linear")
+    tools = Path(__file__).resolve().parents[1] / "examples" / "arith_tools.yaml"
     for name, extra in (("grpo_fp32", ()), ("grpo_fp32_again", ()), ("grpo_bf16", bf16),
-                        ("ppo_fp32", ("algorithm.name=ppo",))):
+                        ("ppo_fp32", ("algorithm.name=ppo",)), ("grpo_lora", lora),
+                        ("grpo_lora_bf16_rollout", (*lora, "rollout.dtype=bf16")),
+                        ("grpo_async_process", ("rollout.max_staleness=1", "rollout.lane=process",
+                                                "algorithm.correction=token_is")),
+                        ("grpo_continuous", ("rollout.max_rows=8",)),
+                        ("grpo_tools", ("rollout.max_new_tokens=24", "run.max_wall_s=0", "data.num_eval=16"))):
         try:
-            runs[name] = train_on_cuda(name, *extra)
+            runs[name] = train_on_cuda(name, *extra, example=str(tools) if name == "grpo_tools" else None)
         except Exception as e:  # noqa: BLE001 - the report names it; the other runs still tell
             runs[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
     ok = all(r.get("audit_ok") and r["iterations"] == 3 for r in runs.values())

@@ -247,3 +247,21 @@ def test_requests_are_validated(tiny):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.generate([GenerationRequest("g", (10_000,), 0, (0,))], SamplingContract(), version)
     assert engine.generate([], SamplingContract(), version) == []
+
+
+def test_hf_backend_refuses_a_cache_the_forward_ignores(tiny):
+    """transformers 5.25 renamed the forward's `past_key_values` to `cache`, and each version
+    drops the other name in **kwargs: decoding would then run without its context (log-probs
+    0.8 nats off on an H200 image with 5.17). The backend passes the name its transformers
+    takes, and a prefill that leaves the cache empty is an error, not a wrong sample."""
+    from sealrl.rollout.backends import HFBackend, weightless_template
+    model, _ = tiny
+    backend = HFBackend(dict(model.state_dict()), weightless_template(model), torch.device("cpu"))
+    ids = torch.tensor([[11, 12, 14]])
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    positions = torch.arange(3)[None]
+    logits, cache = backend.prefill(ids, positions, valid, 8)
+    assert cache.get_seq_length() == 3
+    backend._cache_key = "kv_cache"   # a name no version takes: dropped as the old one is
+    with pytest.raises(RuntimeError, match="did not fill the KV cache"):
+        backend.prefill(ids, positions, valid, 8)

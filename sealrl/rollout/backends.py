@@ -13,6 +13,7 @@ filled it.
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 from torch import Tensor, nn
@@ -79,12 +80,21 @@ class HFBackend:
         model.load_state_dict(weights, strict=True, assign=True)
         self.model = model.to(device).eval()
         self.dtype = self.model.dtype
+        # transformers 5.25 renamed `past_key_values` to `cache`; the forward takes either
+        # name through **kwargs and silently drops the one it does not know, which would decode
+        # every step without its context (seen on an H200 image with transformers 5.17).
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_key = "cache" if "cache" in params else "past_key_values"
 
     def prefill(self, ids: Tensor, positions: Tensor, valid: Tensor, max_len: int,
                 ) -> tuple[Tensor, DynamicCache]:
         cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=ids, attention_mask=valid.long(), position_ids=positions,
-                         cache=cache, use_cache=True, logits_to_keep=1)
+                         use_cache=True, logits_to_keep=1, **{self._cache_key: cache})
+        if cache.get_seq_length() != ids.shape[1]:
+            raise RuntimeError(f"{type(self.model).__name__}.forward did not fill the KV cache passed as "
+                               f"`{self._cache_key}` (holds {cache.get_seq_length()} of {ids.shape[1]} "
+                               "positions): this transformers version names it differently")
         return out.logits[:, -1].float(), cache
 
     def select(self, cache: DynamicCache, rows: Tensor) -> DynamicCache:
@@ -95,7 +105,7 @@ class HFBackend:
                ) -> Tensor:
         mask = None if valid is None else valid.long()
         out = self.model(input_ids=ids[:, None], attention_mask=mask,
-                         position_ids=positions[:, None], cache=cache, use_cache=True)
+                         position_ids=positions[:, None], use_cache=True, **{self._cache_key: cache})
         return out.logits[:, -1].float()
 
 
