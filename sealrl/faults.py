@@ -21,6 +21,8 @@ actions: raise          raise InjectedFault (the stage fails; the driver's recov
          late           the caller's call "misses its deadline" and is retried; its real output
                         arrives after the retry's (generate, reward) and is rejected by key and
                         attempt, and counted
+         kill_rank      the caller kills the last data-parallel actor rank's Ray process, as a
+                        lost node would, then calls the update (update; placement.actor_ranks > 1)
 
 `point` carries out raise, kill, hang and delay itself and returns the action name, so that a
 caller carries out corrupt, twice and late where that stage delivers its output.
@@ -33,9 +35,10 @@ import time
 
 STAGES = ("generate", "reward", "reference", "old_log_prob", "update", "before_optimizer_step",
           "weight_sync", "checkpoint_before_marker", "checkpoint_after_marker", "after_checkpoint")
-ACTIONS = ("raise", "kill", "hang", "delay", "corrupt", "twice", "late", "term", "int")
+ACTIONS = ("raise", "kill", "hang", "delay", "corrupt", "twice", "late", "term", "int", "kill_rank")
 # Where a caller carries the action out; elsewhere it would silently do nothing, so it is refused.
-DELIVERY = {"corrupt": ("weight_sync",), "twice": ("generate", "reward"), "late": ("generate", "reward")}
+DELIVERY = {"corrupt": ("weight_sync",), "twice": ("generate", "reward"), "late": ("generate", "reward"),
+            "kill_rank": ("update",)}
 _fired: set[str] = set()
 
 
@@ -52,7 +55,7 @@ def _plan() -> dict[tuple[str, int], tuple[str, str]]:
         if stage not in STAGES or name not in ACTIONS or not it.isdigit():
             raise ValueError(f"SEALRL_FAULTS entry {item!r} must be stage@iteration:action with stage in "
                              f"{', '.join(STAGES)} and action raise | kill | hang | delay=SECONDS | corrupt "
-                             f"| twice | late | term | int")
+                             f"| twice | late | term | int | kill_rank")
         if stage not in DELIVERY.get(name, STAGES):
             raise ValueError(f"SEALRL_FAULTS entry {item!r}: action {name} applies only at stage "
                              f"{' | '.join(DELIVERY[name])}")

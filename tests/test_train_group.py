@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from sealrl import faults
 from sealrl.audit import audit_run
-from sealrl.config import build_config
+from sealrl.config import StoppedRun, build_config
 from sealrl.experience.store import read_iteration
 from sealrl.placement.train_group import ActorGroup, ActorRank, join_rows
 from sealrl.placement.workers import LocalWorkerGroup
@@ -122,10 +122,19 @@ def test_actor_group_of_one_in_process_rank_is_the_plain_actor():
 def test_grpo_two_actor_ranks_give_the_one_process_update_through_a_resume(tmp_path, ray_session, monkeypatch,
                                                                            local_grpo, strategy):
     local, dp_args = local_grpo, ["placement.actor_ranks=2", f"placement.dp_strategy={strategy}", *DP]
-    monkeypatch.setenv("SEALRL_FAULTS", "update@0:raise")   # every rank restores its snapshot, then retries
+    # iteration 0: every rank restores its snapshot, then retries; iteration 1: rank 1 is lost
+    # (its process killed, as with its node), which stops the run with one line, recorded
+    monkeypatch.setenv("SEALRL_FAULTS", "update@0:raise,update@1:kill_rank")
     monkeypatch.setattr(faults, "_fired", set())                   # entries fire once per process
-    dp = run(tmp_path, "dp", "algorithm.name=grpo", "run.iterations=1", *dp_args)
+    with pytest.raises(StoppedRun, match=r"^actor rank 1 on host \S+ \(Ray node [0-9a-f]{12}\) was lost during "
+                                         r"update \(the worker's process died: [^\n]*\); the run stops here") as stop:
+        run(tmp_path, "dp", "algorithm.name=grpo", "run.iterations=2", *dp_args)
     monkeypatch.delenv("SEALRL_FAULTS")
+    dp = tmp_path / "dp"
+    failure = json.loads((dp / "failures.jsonl").read_text())
+    assert (failure["role"], failure["worker"], failure["stage"]) == ("actor", 1, "update")
+    assert failure["message"] == str(stop.value) and failure["node_id"]
+    assert audit_run(dp).ok   # what was committed before the loss is whole
     assert metrics(dp)[0]["update/attempts"] == 2
     assert_same_weights(local, dp, "actor_model", 1)
     # resumed: restore_position pushes the checkpoint to both ranks; the second update matches

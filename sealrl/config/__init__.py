@@ -26,6 +26,7 @@ from sealrl.config.sections import (
                                     RewardConfig,
                                     RolloutConfig,
                                     RunConfig,
+                                    StoppedRun,
                                     UserError,
                                     relative_note,
                                     resumable,
@@ -33,6 +34,6 @@ from sealrl.config.sections import (
 
 __all__ = ["EMBEDDED_MODEL", "LOGGERS", "REWARD_BUILTINS", "ActorConfig", "AlgorithmConfig", "Config", "ConfigError",
            "CriticConfig", "DataConfig", "EnvConfig", "EvalConfig", "LoraConfig", "MissingInputError", "ModelConfig",
-           "PlacementConfig", "ReferenceConfig", "RewardConfig", "RolloutConfig", "RunConfig", "UserError",
-           "build_config", "check_config", "config_diff", "load_config", "relative_note", "replace", "resumable",
-           "resumable_keys"]
+           "PlacementConfig", "ReferenceConfig", "RewardConfig", "RolloutConfig", "RunConfig", "StoppedRun",
+           "UserError", "build_config", "check_config", "config_diff", "load_config", "relative_note", "replace",
+           "resumable", "resumable_keys"]

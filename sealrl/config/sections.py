@@ -24,6 +24,19 @@ class UserError(Exception):
     exception is a bug and keeps its traceback (exit 1)."""
 
 
+class StoppedRun(UserError):
+    """Not the user's input but a failure that ends the run as a named state (a data-parallel
+    rank lost with its node): one line, exit 2, and the driver records `failure` (stage, role,
+    worker, where) in failures.jsonl; resume=auto continues from the last committed checkpoint."""
+
+    def __init__(self, message: str, failure: dict) -> None:
+        super().__init__(message)
+        self.failure = failure
+
+    def __reduce__(self):
+        return type(self), (str(self), self.failure)
+
+
 class ConfigError(UserError, ValueError):
     """A config value, key or file is wrong; the message is one line that says which.
     `key` (`section.field`, or a section) lets load_config say where the value came from."""

@@ -42,9 +42,10 @@ from typing import Any
 
 import torch
 
+from sealrl.config import StoppedRun
 from sealrl.experience import ExperienceBatch, PolicyVersion, Role
 from sealrl.models.precision import model_device, process_group_backend
-from sealrl.placement.workers import WorkerGroup
+from sealrl.placement.workers import HOSTS, WorkerError, WorkerGroup
 from sealrl.roles.common import batch_log_probs
 from sealrl.roles.distributed import (
     decoder_layers,
@@ -205,6 +206,17 @@ def join_rows(batch: ExperienceBatch, parts: list[tuple[list[str], torch.Tensor]
     return out
 
 
+def rank_lost(e: WorkerError) -> StoppedRun:
+    """The one line (and failures.jsonl record) of a rank whose process or node is gone."""
+    where = HOSTS.get((e.role, e.worker), {})
+    host, node = where.get("host", "?"), where.get("node_id", "")[:12] or "?"
+    message = (f"{e.role} rank {e.worker} on host {host} (Ray node {node}) was lost during {e.method} "
+               f"({e.reason}); the run stops here: nothing after the last committed checkpoint is kept, "
+               "and resume=auto on the remaining nodes continues from it exactly")
+    return StoppedRun(message, {"stage": e.method, "role": e.role, "worker": e.worker, "host": host,
+                                "node_id": where.get("node_id", ""), "reason": e.reason})
+
+
 class Replicas:
     """Plumbing both facades compose: the rank group and the driver's mirror of rank 0."""
 
@@ -213,7 +225,12 @@ class Replicas:
         self.model_stale = self.optim_stale = False   # the ranks moved on since the last pull
 
     def call(self, method: str, *args) -> list:
-        return self.group.call(method, *args, timeout_s=self.timeout_s)
+        try:
+            return self.group.call(method, *args, timeout_s=self.timeout_s)
+        except WorkerError as e:
+            if e.lost:   # its shard of the weights and Adam state went with it: no rank can go on
+                raise rank_lost(e) from e
+            raise
 
     def share(self, batch: ExperienceBatch):
         return self.group.put(batch)   # one copy in the object store, read by every rank

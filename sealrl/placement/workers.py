@@ -346,12 +346,17 @@ class RayWorkerGroup:
         """Kill worker k (dead, or late with a task still running) and start a fresh one from
         the factory on the same bundle; returns once the factory has run. The caller brings
         its state back (e.g. a rollout replica is synced to the active version, verified)."""
-        import ray
-        ray.kill(self.actors[k], no_restart=True)
+        self.kill(k)
         self.actors[k] = self._start(k)
         self.restarts += 1
         self._collect("__init__", {k: self.actors[k].attr.remote("__class__")}, timeout_s)
         self._check_hosts([k], timeout_s)
+
+    def kill(self, k: int) -> None:
+        """End worker k's process at once, as a lost node would (fault drills); its next call
+        fails as `lost`."""
+        import ray
+        ray.kill(self.actors[k], no_restart=True)
 
     def call(self, method: str, *args, timeout_s: float | None = None, **kwargs) -> list:
         refs = {k: a.call.remote(method, *args, **kwargs) for k, a in enumerate(self.actors)}
@@ -409,7 +414,8 @@ class RayWorkerGroup:
                 cause = e.cause if isinstance(e.cause, BaseException) else e
                 out[k] = WorkerError(self.role, k, method, f"{_type_name(cause)}: {cause}", cause)
             except ray.exceptions.RayActorError as e:
-                out[k] = WorkerError(self.role, k, method, f"the worker's process died: {e}", e, lost=True)
+                died = " ".join(str(e).split())   # Ray's message spans lines: one line here
+                out[k] = WorkerError(self.role, k, method, f"the worker's process died: {died}", e, lost=True)
             if isinstance(out[k], WorkerError) and not settle:
                 raise out[k] from out[k].cause
         return out

@@ -7,7 +7,8 @@ Each wrapper passes every call through to the role, except at its planned point:
     reward        reward.score: the same actions on the reward records
     reference     reference.compute
     old_log_prob  actor.compute_old_log_probs
-    update        actor.update (before the actor's optimizer steps; the critic's ran already)
+    update        actor.update (before the actor's optimizer steps; the critic's ran already):
+                  also kill_rank (the last data-parallel rank's process killed first)
     weight_sync   rollout.load: also corrupt (one tensor changed after the manifest was built)
 The iteration of a point is that of the batch or requests the call carries; weight_sync's is
 the iteration whose version the load publishes (the first iteration, then one after each update).
@@ -139,7 +140,12 @@ class _Actor(_Wrapper):
         self.inner.compute_old_log_probs(batch, version, fuse)
 
     def update(self, batch, version, iteration: int, seed: int, kl_coef: float) -> dict:
-        faults.point("update", iteration)
+        if faults.point("update", iteration) == "kill_rank":
+            group = getattr(getattr(self.inner, "replicas", None), "group", None)
+            if not hasattr(group, "kill"):
+                raise ValueError("SEALRL_FAULTS kill_rank needs data-parallel actor ranks on Ray "
+                                 "(placement.actor_ranks > 1)")
+            group.kill(group.num_workers - 1)
         metrics = self.inner.update(batch, version, iteration, seed, kl_coef)
         self.clock.publishing = iteration + 1
         return metrics

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from sealrl.config import Config
+from sealrl.config import Config, StoppedRun
 from sealrl.models.lora import save_policy
 from sealrl.obs.metrics import MetricsLogger
 from sealrl.obs.progress import Progress
@@ -36,6 +36,7 @@ from sealrl.trainer.setup import Run
 from sealrl.trainer.state import Phase, StageFailed, committed_id
 from sealrl.trainer.stopping import graceful_stop
 from sealrl.trainer.update import update
+from sealrl.trainer.watchdog import record_failure
 
 
 def train(cfg: Config, schedule: dict[int, int] | None = None) -> dict:
@@ -48,13 +49,17 @@ def train(cfg: Config, schedule: dict[int, int] | None = None) -> dict:
     if cfg.run.hold_freed_memory:
         hold_freed_memory()   # freed activations stay in the heap for the next pass (memory.py)
     setup.make_deterministic(cfg)
-    roles, lock = setup.build_roles(cfg, cfg.run.name), None
+    roles, lock, run_dir = setup.build_roles(cfg, cfg.run.name), None, None
     try:
         data = setup.build_data(cfg, roles.tokenizer)   # every row checked before the run folder exists
         run_dir = setup.open_run_dir(cfg)
         lock = setup.lock_run_dir(run_dir)
         write_dropped_rows(run_dir, (data.train, data.eval))
         return _train(setup.build_run(cfg, run_dir, roles, data), schedule)
+    except StoppedRun as e:   # e.g. a data-parallel rank lost with its node: a named state
+        if run_dir is not None:
+            record_failure(run_dir, e.failure, str(e))
+        raise
     finally:
         roles.close()
         if lock is not None:

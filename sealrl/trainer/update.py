@@ -3,6 +3,7 @@ derived before the seal: prepare.advantages), rolled back and tried again when t
 the adaptive KL controller's step."""
 from __future__ import annotations
 
+from sealrl.config import StoppedRun
 from sealrl.experience import ExperienceBatch
 from sealrl.roles.actor import RolloutMismatch
 from sealrl.trainer.iteration_metrics import ref_kl
@@ -38,6 +39,8 @@ def update_with_rollback(run, batch: ExperienceBatch, version, it: int) -> dict:
             metrics.update(roles.actor.update(batch, version, it, seed, kl_coef=run.kl_ctl.beta))
             metrics["update/attempts"] = attempt + 1
             return metrics
+        except StoppedRun:   # a rank lost with its node: nothing to roll back on, nothing to retry
+            raise
         except Exception as e:  # noqa: BLE001 - rolled back, retried, then re-raised
             for role, snap in snaps:
                 role.restore(snap)

@@ -52,13 +52,18 @@ def _stage_timed_out(failure: dict, folder: Path | None) -> None:
     try:
         print(message, file=sys.stderr, flush=True)
         if folder is not None:
-            with open(folder / "failures.jsonl", "a") as out:
-                out.write(json.dumps({**f, "time": time.time(), "message": message}) + "\n")
-                out.flush()
-                os.fsync(out.fileno())
+            record_failure(folder, f, message)
     finally:
         _kill_children()              # e.g. a reward worker hung in its scorer: no orphan left
         os._exit(STAGE_TIMEOUT_EXIT)   # the hung main thread cannot be unwound; the OS frees the rest
+
+
+def record_failure(folder: Path, failure: dict, message: str) -> None:
+    """Append one failure to `failures.jsonl` in the run folder, durably (the process may end next)."""
+    with open(folder / "failures.jsonl", "a") as out:
+        out.write(json.dumps({**failure, "time": time.time(), "message": message}) + "\n")
+        out.flush()
+        os.fsync(out.fileno())
 
 
 def _kill_children() -> None:
