@@ -43,8 +43,9 @@ def resolve_rollout_backend(cfg: Config, say: bool = True) -> str:
     if cfg.rollout.backend != "auto":
         return cfg.rollout.backend
     import torch
+    gpu_replicas = cfg.placement.backend == "ray" and cfg.placement.gpus_per_replica > 0   # GPUs of their own
     device = cfg.rollout.device if cfg.rollout.device != "auto" else \
-        ("cuda" if torch.cuda.is_available() else "cpu")   # as models/precision.resolve_device
+        ("cuda" if gpu_replicas or torch.cuda.is_available() else "cpu")   # as models/precision.resolve_device
     why = vllm_lacks(cfg)
     if device != "cuda":
         choice, reason = "native", f"the rollout device is {device}"

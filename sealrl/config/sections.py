@@ -369,6 +369,23 @@ class EvalConfig:
     pass_k: int = resumable(1)             # k of pass@k (k > 1 samples at rollout.temperature; 1 = greedy)
 
 
+def ray_resources(text: str, key: str) -> dict[str, float]:
+    """`name=amount,...` (placement.replica_resources / rank_resources) as Ray's custom
+    resources of one bundle; CPUs and GPUs have keys of their own."""
+    out: dict[str, float] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, eq, amount = item.partition("=")
+        try:
+            value = float(amount) if eq else -1.0
+        except ValueError:
+            value = -1.0
+        _check(bool(name.strip()) and value > 0, key, "name=amount,... with amounts > 0 (e.g. rollout_node=1)", text)
+        _check(name.strip() not in ("CPU", "GPU", "memory", "object_store_memory"), key,
+               "custom resources only (CPUs and GPUs: placement.cpus_per_* / gpus_per_replica)", text)
+        out[name.strip()] = value
+    return out
+
+
 @dataclass(kw_only=True, slots=True)
 class PlacementConfig:
     # Placement may change on resume (DESIGN section 2: it does not change the samples; the
@@ -383,9 +400,19 @@ class PlacementConfig:
     actor_ranks: int = resumable(1)        # data-parallel actor ranks (> 1: Ray actors in one gloo/nccl group)
     critic_ranks: int = resumable(1)       # data-parallel critic ranks (PPO; > 1 as for the actor)
     dp_strategy: str = resumable("fsdp2")  # data-parallel ranks: fsdp2 (sharded; allreduce without FSDP2) | allreduce
+    strategy: str = resumable("pack")      # Ray placement-group strategy of every pool: pack | spread
+    cpus_per_rank: float = resumable(1.0)  # CPUs reserved per data-parallel rank (actor and critic)
+    gpus_per_replica: float = resumable(0.0)  # GPUs per rollout replica (> 0 allows rollout.device=cuda on Ray)
+    replica_resources: str = resumable("")  # custom Ray resources per replica, "name=amount,...", e.g. rollout_node=1
+    rank_resources: str = resumable("")    # the same per data-parallel rank: where the ranks may go
 
     def __post_init__(self):
         _check(self.backend in ("local", "ray"), "placement.backend", "local or ray", self.backend)
+        _check(self.strategy in ("pack", "spread"), "placement.strategy", "pack or spread", self.strategy)
+        _check(self.cpus_per_rank > 0, "placement.cpus_per_rank", "> 0", self.cpus_per_rank)
+        _check(self.gpus_per_replica >= 0, "placement.gpus_per_replica", ">= 0", self.gpus_per_replica)
+        for key in ("replica_resources", "rank_resources"):
+            ray_resources(getattr(self, key), f"placement.{key}")
         for key in ("actor_ranks", "critic_ranks"):
             n = getattr(self, key)
             _check(n >= 1, f"placement.{key}", ">= 1", n)

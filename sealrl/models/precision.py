@@ -67,16 +67,19 @@ def role_devices(cfg) -> dict[str, torch.device]:
     """The resolved device of each role of run config `cfg` (actor, critic, reference, rollout),
     checked before anything is built. With LoRA the reference is the actor's own model with the
     adapter off, so a reference.device that resolves elsewhere is refused."""
+    p = cfg.placement
+    gpu_replicas = p.backend == "ray" and p.gpus_per_replica > 0   # cuda is resolved inside each replica
     out = {role: resolve_device(getattr(cfg, role).device, f"{role}.device")
-           for role in ("actor", "critic", "reference", "rollout")}
+           for role in ("actor", "critic", "reference", "rollout") if not (role == "rollout" and gpu_replicas)}
+    if gpu_replicas:
+        out["rollout"] = torch.device("cuda" if cfg.rollout.device != "cpu" else "cpu")
     if cfg.actor.lora.rank and cfg.algorithm.kl_coef > 0 and out["reference"] != out["actor"]:
         raise ConfigError(f"reference.device={cfg.reference.device} resolves to {out['reference']}, but with "
                           f"actor.lora the reference is the actor's own model on actor.device={cfg.actor.device} "
                           f"({out['actor']})", "reference.device")
-    p = cfg.placement
-    if p.backend == "ray" and cfg.rollout.device == "cuda":   # auto resolves to cpu inside such a replica
+    if p.backend == "ray" and cfg.rollout.device == "cuda" and not gpu_replicas:   # auto is cpu in such a replica
         raise ConfigError("rollout.device=cuda with placement.backend=ray: the rollout replicas' Ray bundles ask "
-                          "for CPUs only (not built yet); use rollout.device=auto or cpu, or placement.backend=local",
+                          "for CPUs only; set placement.gpus_per_replica (e.g. 1), or use rollout.device=auto or cpu",
                           "rollout.device")
     if p.backend == "ray" and p.rollout_pool == "colocated" and p.actor_ranks > 1 and out["actor"].type == "cuda":
         raise ConfigError("placement.rollout_pool=colocated with actor ranks on cuda: the shared bundles ask for "

@@ -403,17 +403,18 @@ def start_ray(placement, closers: list) -> None:
 
 
 def ray_train_group(role: str, rank_factory: Callable[[], TrainRank], num_workers: int, model,
-                    timeout_s: float, closers: list, pool=None) -> WorkerGroup:
+                    timeout_s: float, closers: list, pool=None, bundle: dict | None = None) -> WorkerGroup:
     """`num_workers` Ray actors hosting `rank_factory()`, joined in one process group (gloo;
-    nccl when `model` is on CUDA), each seeded by its rank: in their own placement group (1 CPU
-    each), or rank k on bundle k of a shared `pool` (colocated with the rollout replicas; its
-    creator closes it)."""
+    nccl when `model` is on CUDA, one GPU per rank), each seeded by its rank: in their own
+    placement group (`bundle`: PoolSpec's CPUs, custom resources and strategy; 1 CPU each by
+    default), or rank k on bundle k of a shared `pool` (colocated with the rollout replicas;
+    its creator closes it)."""
     from sealrl.placement.workers import PoolSpec, RayPool, RayWorkerGroup
     backend = process_group_backend(model_device(model))
     cuda = backend == "nccl"
     own = pool is None
     if own:
-        pool = RayPool(PoolSpec(name=role, roles=(role,), num_workers=num_workers, num_cpus_per_worker=1.0,
+        pool = RayPool(PoolSpec(name=role, roles=(role,), num_workers=num_workers, **(bundle or {}),
                                 num_gpus_per_worker=1.0 if cuda else 0.0), timeout_s=timeout_s)
     elif pool.spec.num_workers != num_workers:
         raise ValueError(f"{role}: {num_workers} ranks cannot share pool {pool.spec.name} of "

@@ -28,7 +28,7 @@ import pickle
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from sealrl.config import UserError
@@ -142,6 +142,10 @@ class PoolSpec:
     """CPUs of one bundle"""
     num_gpus_per_worker: float = 0.0
     """GPUs of one bundle"""
+    resources: Mapping[str, float] = field(default_factory=dict)
+    """custom Ray resources of one bundle (a node's `ray start --resources`): where it may go"""
+    strategy: str = "PACK"
+    """Ray placement-group strategy: PACK (few nodes) or SPREAD (as many nodes as it can)"""
 
     def __post_init__(self) -> None:
         if not self.roles:
@@ -209,7 +213,7 @@ class RayPool:
     def __init__(self, spec: PoolSpec, timeout_s: float = 60.0) -> None:
         import ray
         from ray.util.placement_group import placement_group
-        bundle = {"CPU": spec.num_cpus_per_worker}
+        bundle = {"CPU": spec.num_cpus_per_worker, **spec.resources}
         if spec.num_gpus_per_worker:
             bundle["GPU"] = spec.num_gpus_per_worker
         self.spec = spec
@@ -218,7 +222,7 @@ class RayPool:
         if any(v > total.get(k, 0.0) + 1e-9 for k, v in asked.items()):
             raise PlacementError(_placement_line(spec, bundle, asked, total, ray.available_resources(),
                                                  "cannot be placed"))
-        self.pg = placement_group([dict(bundle) for _ in range(spec.num_workers)], strategy="PACK")
+        self.pg = placement_group([dict(bundle) for _ in range(spec.num_workers)], strategy=spec.strategy)
         # the local Ray holds only this run's pools: what a short grace (Ray frees a removed
         # group's resources asynchronously) does not free, nothing will
         wait_s = min(timeout_s, LOCAL_GRACE_S) if _LOCAL_RAY else timeout_s
@@ -237,8 +241,9 @@ class RayPool:
 def _placement_line(spec: PoolSpec, bundle: dict, asked: dict, total: dict, free: dict, what: str) -> str:
     have = ", ".join(f"{k} {total.get(k, 0.0):g} in all, {free.get(k, 0.0):g} free" for k in asked)
     return (f"Ray pool {spec.name!r} ({', '.join(spec.roles)}): {spec.num_workers} x {bundle} = {asked} {what}; "
-            f"the cluster has {have}. Lower placement.actor_ranks / rollout_replicas / cpus_per_replica, or "
-            "raise placement.num_cpus (local Ray) or add nodes")
+            f"the cluster has {have}. Lower placement.actor_ranks / rollout_replicas / cpus_per_replica / "
+            "cpus_per_rank, check placement.replica_resources / rank_resources against the nodes' "
+            "resources, or raise placement.num_cpus (local Ray) or add nodes")
 
 
 class _RoleHost:

@@ -20,6 +20,7 @@ import yaml
 
 from sealrl.config import Config, ConfigError
 from sealrl.config.rollout_backend import check_rollout_backend, resolve_rollout_backend
+from sealrl.config.sections import ray_resources
 from sealrl.data.dataset import PromptSet, load_prompts, prompts_from_rows
 from sealrl.data.sampler import PromptSampler
 from sealrl.data.tasks import EMBEDDED_TASK, make_task
@@ -229,49 +230,54 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
     actor = make_actor()
     base = actor.base   # LoRA: the frozen base's manifest (else None)
     closers: list = []
-    shared = shared_pool(cfg, closers)  # colocated actor ranks and rollout replicas, or None
-    if cfg.placement.actor_ranks > 1:
-        actor = data_parallel_role(cfg, "actor", make_actor, actor, closers, shared)
-    episodes = episode_spec(cfg)
-    rows = (cfg.rollout.max_rows, True)   # rollout/scheduler.py: rows admitted as others finish
-    vllm = vllm_options(cfg)   # None: the native engine
-    rollout = Rollout(template, tokenizer, cfg.rollout.device, episodes=episodes, rows=rows, vllm=vllm) \
-        if cfg.placement.backend == "local" else \
-        ray_rollout_pool(cfg, template, tokenizer, closers, shared, episodes, vllm)
-    if cfg.placement.backend == "local":   # the local role's tool worker and vLLM's engine process, if any
-        closers.append(rollout.close)
-    rollout_base = None
-    if base is not None:   # LoRA: every version is an adapter on this base, in rollout.dtype (every replica pins it)
-        rollout_base = rollout.pin_base(*adapters.pinned_base(model, base, cfg.rollout.dtype))
-    reference = None
-    if cfg.algorithm.kl_coef > 0 and base is not None:   # LoRA: the base with the adapter off, no copy
-        ref_version = dataclasses.replace(base.version, run_id="reference:base-adapter-off")
-        reference = Reference(model, ref_version, temperature, pad, cfg.actor.micro_batch_size, adapter_off=True)
-    elif cfg.algorithm.kl_coef > 0:  # no reference model is loaded when the KL coefficient is 0
-        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-        ref_version = build_manifest(state, "reference", 0, 0, tok_hash, model_config_hash(model.config)).version
-        reference = Reference(model, ref_version, temperature, pad, tf.micro_batch_size,
-                              tf=tf, dtype=cfg.actor.dtype, device=cfg.reference.device)
-    critic = None
-    if cfg.algorithm.name == "ppo":
-        from sealrl.models.critic import CriticModel
-        if critic_model is None:
-            torch.manual_seed(cfg.run.seed + 1)
-            critic_model = CriticModel.from_causal_lm(model)   # backbone copied from the policy, new head
-        c, a = cfg.critic, cfg.actor   # the critic's own batches; the actor's where unset
-        micro = c.micro_batch_size or tf.micro_batch_size
-        mini = a.mini_batch_size if c.mini_batch_size < 0 else c.mini_batch_size
-        make_critic = functools.partial(Critic, critic_model, c, pad, micro, a.loss_agg, horizon,
-                                        tf=dataclasses.replace(tf, micro_batch_size=micro),
-                                        epochs=c.ppo_epochs or a.ppo_epochs, mini_batch_size=mini,
-                                        warmup_steps=a.warmup_steps, checkpointing=a.gradient_checkpointing,
-                                        fused=not cfg.run.exact)
-        critic = make_critic()
-        if cfg.placement.critic_ranks > 1:
-            critic = data_parallel_role(cfg, "critic", make_critic, critic, closers)
-    reward = Reward(build_reward_fn(cfg), cfg.reward.num_scorers, cfg.reward.timeout_s, cfg.reward.scorer_memory_mb)
-    return Roles(actor, rollout, reward, reference, critic, tokenizer, closers,
-                 functools.partial(Rollout, template, tokenizer, episodes=episodes, rows=rows), rollout_base)
+    try:   # a role that cannot start (e.g. a pool no node can hold) releases what was placed before it
+        shared = shared_pool(cfg, closers)  # colocated actor ranks and rollout replicas, or None
+        if cfg.placement.actor_ranks > 1:
+            actor = data_parallel_role(cfg, "actor", make_actor, actor, closers, shared)
+        episodes = episode_spec(cfg)
+        rows = (cfg.rollout.max_rows, True)   # rollout/scheduler.py: rows admitted as others finish
+        vllm = vllm_options(cfg)   # None: the native engine
+        rollout = Rollout(template, tokenizer, cfg.rollout.device, episodes=episodes, rows=rows, vllm=vllm) \
+            if cfg.placement.backend == "local" else \
+            ray_rollout_pool(cfg, template, tokenizer, closers, shared, episodes, vllm)
+        if cfg.placement.backend == "local":   # the local role's tool worker and vLLM's engine process, if any
+            closers.append(rollout.close)
+        rollout_base = None
+        if base is not None:   # LoRA: each version is an adapter on this base, in rollout.dtype (pinned everywhere)
+            rollout_base = rollout.pin_base(*adapters.pinned_base(model, base, cfg.rollout.dtype))
+        reference = None
+        if cfg.algorithm.kl_coef > 0 and base is not None:   # LoRA: the base with the adapter off, no copy
+            ref_version = dataclasses.replace(base.version, run_id="reference:base-adapter-off")
+            reference = Reference(model, ref_version, temperature, pad, cfg.actor.micro_batch_size, adapter_off=True)
+        elif cfg.algorithm.kl_coef > 0:  # no reference model is loaded when the KL coefficient is 0
+            state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+            ref_version = build_manifest(state, "reference", 0, 0, tok_hash, model_config_hash(model.config)).version
+            reference = Reference(model, ref_version, temperature, pad, tf.micro_batch_size,
+                                  tf=tf, dtype=cfg.actor.dtype, device=cfg.reference.device)
+        critic = None
+        if cfg.algorithm.name == "ppo":
+            from sealrl.models.critic import CriticModel
+            if critic_model is None:
+                torch.manual_seed(cfg.run.seed + 1)
+                critic_model = CriticModel.from_causal_lm(model)   # backbone copied from the policy, new head
+            c, a = cfg.critic, cfg.actor   # the critic's own batches; the actor's where unset
+            micro = c.micro_batch_size or tf.micro_batch_size
+            mini = a.mini_batch_size if c.mini_batch_size < 0 else c.mini_batch_size
+            make_critic = functools.partial(Critic, critic_model, c, pad, micro, a.loss_agg, horizon,
+                                            tf=dataclasses.replace(tf, micro_batch_size=micro),
+                                            epochs=c.ppo_epochs or a.ppo_epochs, mini_batch_size=mini,
+                                            warmup_steps=a.warmup_steps, checkpointing=a.gradient_checkpointing,
+                                            fused=not cfg.run.exact)
+            critic = make_critic()
+            if cfg.placement.critic_ranks > 1:
+                critic = data_parallel_role(cfg, "critic", make_critic, critic, closers)
+        reward = Reward(build_reward_fn(cfg), cfg.reward.num_scorers, cfg.reward.timeout_s, cfg.reward.scorer_memory_mb)
+        return Roles(actor, rollout, reward, reference, critic, tokenizer, closers,
+                     functools.partial(Rollout, template, tokenizer, episodes=episodes, rows=rows), rollout_base)
+    except BaseException:
+        for close in reversed(closers):
+            close()
+        raise
 
 
 def vllm_options(cfg: Config) -> VllmOptions | None:
@@ -310,9 +316,11 @@ def data_parallel_role(cfg: Config, role: str, make_worker, local, closers: list
     rank, facade = {"actor": (train_group.ActorRank, train_group.ActorGroup),
                     "critic": (train_group.CriticRank, train_group.CriticGroup)}[role]
     factory = functools.partial(rank, make_worker, cfg.run.seed, cfg.placement.dp_strategy)
-    group = train_group.ray_train_group(role, factory,
-                                        getattr(cfg.placement, f"{role}_ranks"), local.model,
-                                        cfg.placement.timeout_s, closers, pool if role == "actor" else None)
+    p = cfg.placement
+    bundle = {"num_cpus_per_worker": p.cpus_per_rank, "strategy": p.strategy.upper(),
+              "resources": ray_resources(p.rank_resources, "placement.rank_resources")}
+    group = train_group.ray_train_group(role, factory, getattr(p, f"{role}_ranks"), local.model,
+                                        p.timeout_s, closers, pool if role == "actor" else None, bundle)
     return facade(group, local, cfg.placement.timeout_s)
 
 
@@ -323,8 +331,14 @@ def rollout_pool_spec(p):
     never changes the numbers: both give the same experience with the same seeds."""
     from sealrl.placement.workers import pools_from_config
     name, roles = ("rollout", ["rollout"]) if p.rollout_pool == "standalone" else ("train", ["actor", "rollout"])
+    resources = ray_resources(p.replica_resources, "placement.replica_resources")
+    if p.rollout_pool == "colocated":   # the shared bundle holds a rank too: it asks for both
+        for name_, amount in ray_resources(p.rank_resources, "placement.rank_resources").items():
+            resources[name_] = resources.get(name_, 0.0) + amount
     return pools_from_config({name: {"roles": roles, "num_workers": p.rollout_replicas,
-                                     "num_cpus_per_worker": p.cpus_per_replica}})["rollout"]
+                                     "num_cpus_per_worker": p.cpus_per_replica,
+                                     "num_gpus_per_worker": p.gpus_per_replica, "resources": resources,
+                                     "strategy": p.strategy.upper()}})["rollout"]
 
 
 def episode_spec(cfg: Config):

@@ -1,0 +1,87 @@
+"""A Ray cluster as its users describe it (issue 27): the placement keys (strategy, CPUs per
+rank, GPUs per replica, custom resources per replica and per rank) are checked at load and
+reach the Ray pools; on Ray's multi-node test cluster on this machine (a head and two nodes,
+each with its own CPUs and a custom resource), a run attached through RAY_ADDRESS alone puts
+the ranks and the replicas on the nodes their resources name, as placement.json records, and
+a request no node can hold ends at start with one line naming it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sealrl.config import ConfigError, build_config
+from sealrl.models import precision
+from sealrl.trainer import setup
+
+RAY = ["placement.backend=ray"]
+
+
+@pytest.mark.parametrize("bad", ["rollout_node", "rollout_node=0", "=1", "rollout_node=x", "CPU=2"])
+def test_custom_resources_are_checked_at_load_naming_the_key(bad):
+    with pytest.raises(ConfigError, match="placement.replica_resources must be") as err:
+        build_config(None, [*RAY, f"placement.replica_resources={bad}"])
+    assert err.value.key == "placement.replica_resources"
+
+
+def test_placement_keys_reach_the_pools():
+    p = build_config(None, [*RAY, "placement.rollout_replicas=2", "placement.cpus_per_replica=2",
+                            "placement.gpus_per_replica=0.5", "placement.replica_resources=rollout_node=1,ssd=0.5",
+                            "placement.strategy=spread"]).placement
+    spec = setup.rollout_pool_spec(p)
+    assert (spec.num_workers, spec.num_cpus_per_worker, spec.num_gpus_per_worker) == (2, 2.0, 0.5)
+    assert dict(spec.resources) == {"rollout_node": 1.0, "ssd": 0.5} and spec.strategy == "SPREAD"
+    colocated = build_config(None, [*RAY, "placement.rollout_pool=colocated", "placement.rollout_replicas=2",
+                                    "placement.actor_ranks=2", "placement.replica_resources=a=1",
+                                    "placement.rank_resources=a=1,b=2"]).placement
+    assert dict(setup.rollout_pool_spec(colocated).resources) == {"a": 2.0, "b": 2.0}   # the bundle holds both
+
+
+def test_gpu_replicas_take_cuda_whatever_the_driver_sees(monkeypatch):
+    """With placement.gpus_per_replica the replicas' bundles hold GPUs: rollout.device=cuda is
+    resolved inside each replica, so a driver without a GPU (a CPU head node) accepts it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = build_config(None, [*RAY, "rollout.device=cuda", "placement.gpus_per_replica=1"])
+    devices = precision.role_devices(cfg)
+    assert devices["rollout"].type == "cuda" and devices["actor"].type == "cpu"
+    assert setup.rollout_pool_spec(cfg.placement).num_gpus_per_worker == 1.0
+    auto = build_config(None, [*RAY, "placement.gpus_per_replica=1"])
+    assert precision.role_devices(auto)["rollout"].type == "cuda"   # auto: the replica's GPU
+
+
+@pytest.mark.slow
+def test_roles_land_on_the_nodes_their_resources_name(tmp_path, monkeypatch, capsys):
+    ray = pytest.importorskip("ray", reason="placement=ray needs ray: pip install 'sealrl[ray]'")
+    from ray.cluster_utils import Cluster
+
+    from sealrl.placement.workers import PlacementError
+    from sealrl.trainer.driver import train
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        cluster.add_node(num_cpus=2, resources={"rank_node": 2})
+        cluster.add_node(num_cpus=2, resources={"rollout_node": 2})
+        monkeypatch.setenv("RAY_ADDRESS", cluster.address)   # as Ray Jobs and KubeRay attach
+        args = [*RAY, "placement.num_cpus=2", "run.iterations=1", "data.num_train=32", "eval.num=4",
+                "data.prompts_per_iter=2", "rollout.n=4", "rollout.max_new_tokens=4", "run.checkpoint_every=0",
+                f"run.output_dir={tmp_path}", "placement.actor_ranks=2", "placement.dp_strategy=allreduce",
+                "placement.rank_resources=rank_node=1", "placement.rollout_replicas=2",
+                "placement.replica_resources=rollout_node=1", "placement.timeout_s=120"]
+        # three replicas' worth of rollout_node: no node has it, so no wait, one line naming it
+        with pytest.raises(PlacementError, match=r"'rollout' \(rollout\): 3 x \{'CPU': 1.0, 'rollout_node': 1.0\}"
+                                                 r".* cannot be placed; the cluster has CPU 5 in all, .* "
+                                                 r"rollout_node 2 in all"):
+            train(build_config(None, [*args, "run.name=toomany", "placement.rollout_replicas=3"]))
+        train(build_config(None, [*args, "run.name=placed"]))
+        assert f"attaching to the Ray cluster at RAY_ADDRESS={cluster.address}" in capsys.readouterr().err
+        ray.init(address=cluster.address)   # the run shut its connection down
+        node_of = {res: n["NodeID"] for n in ray.nodes() if n["Alive"] for res in ("rank_node", "rollout_node")
+                   if res in n["Resources"]}
+        record = json.loads((tmp_path / "placed" / "placement.json").read_text())
+        where = {(w["role"], w["worker"]): w["node_id"] for w in record["workers"]}
+        assert where == {("actor", 0): node_of["rank_node"], ("actor", 1): node_of["rank_node"],
+                         ("rollout", 0): node_of["rollout_node"], ("rollout", 1): node_of["rollout_node"]}
+        assert record["driver"]["node_id"] not in (node_of["rank_node"], node_of["rollout_node"])
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
