@@ -85,3 +85,110 @@ def test_roles_land_on_the_nodes_their_resources_name(tmp_path, monkeypatch, cap
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+@pytest.mark.slow
+def test_a_rollout_node_lost_mid_run_is_replaced_on_a_spare_node(tmp_path):
+    """The node that runs the replica is killed after iteration 1 (no graceful stop); a spare
+    node has room. The replacement first lands on the dead node's bundle (Ray has not yet marked
+    it dead) and dies; it is started again until Ray moves the bundle, then brought to the
+    active version, and the run goes on: same weights as the run on one process, audited clean,
+    and placement.json says where the replica runs now."""
+    import threading
+    import time
+
+    ray = pytest.importorskip("ray", reason="placement=ray needs ray: pip install 'sealrl[ray]'")
+    from ray.cluster_utils import Cluster
+
+    from sealrl.audit import audit_run
+    from sealrl.trainer.driver import train
+    args = ["run.iterations=6", "data.num_train=32", "eval.num=4", "data.prompts_per_iter=2", "rollout.n=4",
+            "rollout.max_new_tokens=4", "run.checkpoint_every=0", f"run.output_dir={tmp_path}"]
+    local = train(build_config(None, [*args, "run.name=local"]))
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "_system_config": {
+        "health_check_period_ms": 500, "health_check_failure_threshold": 4}})   # a dead node is noticed in ~2 s
+    try:
+        nodes = [cluster.add_node(num_cpus=1, resources={"rollout_node": 1}) for _ in range(2)]
+        run_dir, killed = tmp_path / "ray", []
+
+        def kill_the_replica_node():   # once iteration 1 is logged: the node the replica runs on
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not killed:
+                metrics = run_dir / "metrics.jsonl"
+                if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+                    where = json.loads((run_dir / "placement.json").read_text())["workers"][0]["node_id"]
+                    node = next(n for n in nodes if n.node_id == where)
+                    cluster.remove_node(node, allow_graceful=False)
+                    killed.append(where)
+                time.sleep(0.05)
+
+        killer = threading.Thread(target=kill_the_replica_node, daemon=True)
+        killer.start()
+        summary = train(build_config(None, [*args, *RAY, f"placement.address={cluster.address}", "run.name=ray",
+                                            "placement.replica_resources=rollout_node=1", "placement.timeout_s=60"]))
+        killer.join()
+        assert killed and summary["iterations"] == 6
+        assert summary["weights_hash"] == local["weights_hash"]   # the loss changed no number
+        assert audit_run(run_dir).ok
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert sum(r.get("rollout/replica_replacements", 0) for r in rows) >= 1
+        now = json.loads((run_dir / "placement.json").read_text())["workers"][0]["node_id"]
+        assert now != killed[0] and now in {n.node_id for n in nodes}
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.mark.slow
+def test_a_lost_head_ends_the_run_in_one_line_and_resume_is_exact(tmp_path):
+    """The head node (its GCS) is killed after iteration 1 of a CLI run attached to it: the run
+    ends with status 2 and one line naming the head (in failures.jsonl too), within the grace
+    rather than Ray's own 60 s abort; resumed without Ray, it ends with the weights of the run
+    that never left this process, audited clean."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    pytest.importorskip("ray", reason="placement=ray needs ray: pip install 'sealrl[ray]'")
+    from ray.cluster_utils import Cluster
+
+    from sealrl.audit import audit_run
+    from sealrl.trainer.driver import train
+    args = ["run.iterations=30", "data.num_train=32", "eval.num=4", "data.prompts_per_iter=2", "rollout.n=4",
+            "rollout.max_new_tokens=4", "run.checkpoint_every=1", f"run.output_dir={tmp_path}"]
+    local = train(build_config(None, [*args, "run.name=local"]))
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    run_dir, address = tmp_path / "ray", cluster.address
+    try:
+        cluster.add_node(num_cpus=1)
+        empty = tmp_path / "empty.yaml"
+        empty.write_text("{}\n")
+        proc = subprocess.Popen([sys.executable, "-m", "sealrl.cli", "train", str(empty), *args, *RAY,
+                                 f"placement.address={address}", "placement.head_grace_s=3", "run.name=ray"],
+                                stderr=subprocess.PIPE, text=True, env=dict(os.environ, RAY_ADDRESS=""))
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            metrics = run_dir / "metrics.jsonl"
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.05)
+        # the head's GCS: on one machine the driver's own raylet is the head's, whose loss would
+        # end the driver at once; a driver on its own node keeps its raylet and loses the GCS
+        cluster.head_node.kill_gcs_server(check_alive=False)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        try:
+            cluster.shutdown()
+        except Exception:  # noqa: BLE001 - the head is gone already
+            pass
+    assert proc.returncode == 2, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"sealrl: error: the Ray head at {address} is lost"), err[-2000:]
+    assert took < 30   # the 3 s grace and the probes, not Ray's 60 s
+    failure = json.loads((run_dir / "failures.jsonl").read_text().splitlines()[-1])
+    assert failure["role"] == "ray_head" and failure["message"] == last
+    resumed = train(build_config(None, [*args, "run.name=ray", "run.resume=auto"]))   # placement.backend=local
+    assert resumed["weights_hash"] == local["weights_hash"] and audit_run(run_dir).ok

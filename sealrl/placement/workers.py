@@ -23,6 +23,7 @@ fraction). A pool with one role is a standalone pool. `ray` is imported only in 
 """
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import sys
@@ -288,21 +289,27 @@ class _RoleHost:
 def host_info() -> dict:
     """Where this process runs and what it runs: Ray node, host, pid, torch and sealrl (a digest
     of the package's source files, so two checkouts of one version number still differ)."""
-    import hashlib
     import socket
-    from pathlib import Path
 
     import ray
     import torch
+    node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+    return {"node_id": node, "host": socket.gethostname(), "pid": os.getpid(), "torch": torch.__version__,
+            "sealrl": _code_digest()}
+
+
+@functools.cache
+def _code_digest() -> str:
+    """sha256 of sealrl's source files (path and bytes), once per process."""
+    import hashlib
+    from pathlib import Path
 
     import sealrl
     root = Path(sealrl.__file__).parent
     code = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
         code.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
-    node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
-    return {"node_id": node, "host": socket.gethostname(), "pid": os.getpid(), "torch": torch.__version__,
-            "sealrl": code.hexdigest()[:16]}
+    return code.hexdigest()[:16]
 
 
 # Where every Ray worker of this process's run was placed, role by role (trainer/setup.py writes
@@ -349,12 +356,31 @@ class RayWorkerGroup:
 
     def restart(self, k: int, timeout_s: float | None = None) -> None:
         """Kill worker k (dead, or late with a task still running) and start a fresh one from
-        the factory on the same bundle; returns once the factory has run. The caller brings
+        the factory on the same bundle; returns once the factory has run. A replacement that
+        dies at start (its bundle was on a node that is gone, which Ray notices only after its
+        health checks) is started again, with growing pauses, until `timeout_s`: Ray then moves
+        the bundle to a live node with room, or the last failure is raised. The caller brings
         its state back (e.g. a rollout replica is synced to the active version, verified)."""
-        self.kill(k)
-        self.actors[k] = self._start(k)
-        self.restarts += 1
-        self._collect("__init__", {k: self.actors[k].attr.remote("__class__")}, timeout_s)
+        import ray
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        pause = 1.0
+        while True:
+            self.kill(k)
+            self.actors[k] = self._start(k)
+            self.restarts += 1
+            try:
+                self._collect("__init__", {k: self.actors[k].attr.remote("__class__")},
+                              max(1.0, deadline - time.monotonic()))
+                break
+            except WorkerError as e:
+                # a lost node's bundle takes the new actor down with it until Ray has marked the
+                # node dead (its health checks, seconds) and moved the bundle to a live node
+                if not isinstance(e.cause, ray.exceptions.RayActorError) or time.monotonic() + pause >= deadline:
+                    raise
+                print(f"sealrl: {self.role} worker {k}: its replacement died at start ({e.reason[:120]}); "
+                      f"starting another in {pause:g} s", file=sys.stderr, flush=True)
+                time.sleep(pause)
+                pause = min(2 * pause, 10.0)
         self._check_hosts([k], timeout_s)
 
     def kill(self, k: int) -> None:

@@ -36,7 +36,7 @@ from sealrl.trainer.setup import Run
 from sealrl.trainer.state import Phase, StageFailed, committed_id
 from sealrl.trainer.stopping import graceful_stop
 from sealrl.trainer.update import update
-from sealrl.trainer.watchdog import record_failure
+from sealrl.trainer.watchdog import record_failure, watch_ray_head
 
 
 def train(cfg: Config, schedule: dict[int, int] | None = None) -> dict:
@@ -49,11 +49,13 @@ def train(cfg: Config, schedule: dict[int, int] | None = None) -> dict:
     if cfg.run.hold_freed_memory:
         hold_freed_memory()   # freed activations stay in the heap for the next pass (memory.py)
     setup.make_deterministic(cfg)
-    roles, lock, run_dir = setup.build_roles(cfg, cfg.run.name), None, None
+    roles, lock, run_dir, unwatch = setup.build_roles(cfg, cfg.run.name), None, None, None
     try:
         data = setup.build_data(cfg, roles.tokenizer)   # every row checked before the run folder exists
         run_dir = setup.open_run_dir(cfg)
         lock = setup.lock_run_dir(run_dir)
+        if cfg.placement.backend == "ray":   # the head lost: a named stop, not Ray's abort 60 s later
+            unwatch = watch_ray_head(run_dir, cfg.placement.head_grace_s)
         write_dropped_rows(run_dir, (data.train, data.eval))
         return _train(setup.build_run(cfg, run_dir, roles, data), schedule)
     except StoppedRun as e:   # e.g. a data-parallel rank lost with its node: a named state
@@ -61,7 +63,9 @@ def train(cfg: Config, schedule: dict[int, int] | None = None) -> dict:
             record_failure(run_dir, e.failure, str(e))
         raise
     finally:
-        roles.close()
+        roles.close()   # watched too: closing Ray's pools waits on the head
+        if unwatch is not None:
+            unwatch()
         if lock is not None:
             lock.close()
         torch.set_num_threads(threads)
@@ -135,6 +139,7 @@ def _loop(run: Run, lanes, start: int, version, before: dict, wall: float, logge
             with lanes.exclusive():
                 metrics.update(held_out(run, version, eval_kw))
         logger.log(it, metrics)
+        setup.write_placement(run.dir)   # a replica replaced this iteration: where it runs now
         progress.update(it, metrics)
         done = it + 1
         last = done == cfg.run.iterations or (cfg.run.max_wall_s and wall >= cfg.run.max_wall_s) or stop.requested

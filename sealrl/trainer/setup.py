@@ -76,11 +76,14 @@ def lock_run_dir(run_dir: Path):
 
 def write_placement(run_dir: Path) -> None:
     """placement.json: the node, host, pid, torch and sealrl of the driver and of every Ray worker
-    of the run, by role and worker index, as they were placed at start. Not written without Ray."""
+    of the run, by role and worker index, as placed at start and after each iteration (a replaced
+    worker's entry is where its replacement runs). Not written without Ray."""
     from sealrl.placement.workers import HOSTS, host_info
     if HOSTS:
         text = json.dumps({"driver": host_info(), "workers": [HOSTS[k] for k in sorted(HOSTS)]}, indent=1)
-        (run_dir / "placement.json").write_text(text)
+        path = run_dir / "placement.json"
+        if not path.exists() or path.read_text() != text:   # a replaced worker: where it is now
+            path.write_text(text)
 
 
 def write_run_files(run_dir: Path, cfg: Config, seeds: dict, extra: dict) -> None:

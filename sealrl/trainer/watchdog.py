@@ -74,3 +74,47 @@ def _kill_children() -> None:
                 os.kill(int(stat.parent.name), signal.SIGKILL)
         except (OSError, IndexError, ValueError):   # exited while we looked
             continue
+
+
+def watch_ray_head(folder: Path, grace_s: float, period_s: float = 1.0):
+    """When this process is attached to Ray: a daemon thread that probes the head's GCS port
+    every `period_s`; once it has not answered for `grace_s` (the head node is gone; Ray's own
+    client would abort the process after 60 s with only its own message), the loss is named on
+    stderr and in failures.jsonl, this process's children are killed and it exits with status
+    2. resume=auto, on a restarted cluster or with placement.backend=local, continues from the
+    last committed checkpoint. Returns the function that stops the watch."""
+    import socket
+
+    import ray
+    if not ray.is_initialized():
+        return lambda: None
+    address = ray.get_runtime_context().gcs_address
+    host, _, port = address.rpartition(":")
+    stop = threading.Event()
+
+    def probe() -> None:
+        down_since = None
+        while not stop.wait(period_s):
+            try:
+                socket.create_connection((host, int(port)), timeout=period_s).close()
+                down_since = None
+                continue
+            except OSError as e:
+                down_since = down_since or time.monotonic()
+                if time.monotonic() - down_since < grace_s:
+                    continue
+                reason = f"{type(e).__name__}: {e}"
+            message = (f"sealrl: error: the Ray head at {address} is lost: its GCS has not answered for "
+                       f"{grace_s:g} s (placement.head_grace_s; {reason}); exiting with status 2, resume=auto "
+                       "continues from the last committed checkpoint once a cluster is back (or with "
+                       "placement.backend=local)")
+            try:
+                print(message, file=sys.stderr, flush=True)
+                record_failure(folder, {"stage": "-", "role": "ray_head", "worker": 0, "address": address}, message)
+            finally:
+                _kill_children()
+                os._exit(2)
+
+    threading.Thread(target=probe, name="sealrl-ray-head", daemon=True).start()
+    return stop.set
+
