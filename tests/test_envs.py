@@ -117,3 +117,36 @@ def test_a_relative_env_file_is_resolved_once_on_the_driver(tmp_path: Path, monk
     assert isinstance(make_env(spec.env), GuessEnv)
     with pytest.raises(EnvLoadError, match="no file"):
         make_env("my_env.py:Mine")
+
+
+def test_a_tool_worker_dies_with_the_process_that_forked_it(tmp_path: Path):
+    """A replica killed at once (SIGKILL, its node lost) must not leave its forked tool worker
+    alive: the worker holds the replica's inherited sockets, and Ray would notice the death only
+    at the call's deadline (320 s was seen)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    script = ("import time\nfrom sealrl.envs.tools import ToolWorker\n"
+              "w = ToolWorker({'echo': lambda a: a}, 2.0, 64)\nprint(w.call('echo', 'x')[1], w._proc.pid, flush=True)\n"
+              "time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        out, pid = parent.stdout.readline().split()
+        assert out == "x" and os.path.exists(f"/proc/{pid}")
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and _running(pid):
+            time.sleep(0.02)
+        assert not _running(pid), "the tool worker outlived the process that forked it"
+    finally:
+        parent.kill()
+
+
+def _running(pid: str) -> bool:
+    """Alive and not a zombie (an orphan's zombie is reaped by init, maybe later)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

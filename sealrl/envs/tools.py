@@ -10,16 +10,19 @@ Failures are named, never rewards (experience/episode.py EnvStatus): a tool that
 ERROR, one past `timeout_s` is TIMEOUT (its worker is killed and a fresh one started on the next
 call, so nothing hangs), one that returns more than `max_output_chars` is FLOOD (cut, marked), a
 call naming no tool is BAD_CALL. Tools are plain functions str -> str; the worker is forked
-once and reused (a pipe per call, about 0.1 ms), its stdout and stderr go to /dev/null, and it
-imports nothing new (fork after torch is safe as long as the tool itself does not use torch).
+once and reused (a pipe per call, about 0.1 ms), its stdout and stderr go to /dev/null, it dies
+with the process that forked it (Linux: PR_SET_PDEATHSIG), and it imports nothing new (fork after torch is safe as long as the tool itself does not use torch).
 Code-like tools that must not be trusted belong in sealrl.rewards.sandbox instead: this worker
 isolates time and output, not the file system.
 """
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import re
+import signal
+import sys
 from typing import Callable
 
 from sealrl.envs.base import EnvStep
@@ -28,8 +31,20 @@ from sealrl.experience.episode import EnvStatus
 Tool = Callable[[str], str]
 
 
-def _serve(conn, tools: dict[str, Tool], max_output_chars: int) -> None:
+def _die_with(parent: int) -> None:
+    """Linux: this worker is SIGKILLed when the thread that forked it ends, so a process killed
+    at once (a Ray replica whose node is lost) leaves no child holding the sockets it inherited,
+    which would hide that death from Ray until the call's deadline. If the parent is already
+    gone, exit now. (A worker whose forking thread ended is started again by the next call.)"""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)   # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(0)
+
+
+def _serve(conn, tools: dict[str, Tool], max_output_chars: int, parent: int) -> None:
     """The worker's loop: (name, args) in, (status, output, message) out; None ends it."""
+    _die_with(parent)
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
@@ -63,7 +78,7 @@ class ToolWorker:
     def _start(self) -> None:
         ctx = mp.get_context("fork")
         parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, self.tools, self.max_output_chars),
+        self._proc = ctx.Process(target=_serve, args=(child, self.tools, self.max_output_chars, os.getpid()),
                                  daemon=True, name="sealrl-tools")
         self._proc.start()
         child.close()
