@@ -11,7 +11,8 @@ ERROR, one past `timeout_s` is TIMEOUT (its worker is killed and a fresh one sta
 call, so nothing hangs), one that returns more than `max_output_chars` is FLOOD (cut, marked), a
 call naming no tool is BAD_CALL. Tools are plain functions str -> str; the worker is forked
 once and reused (a pipe per call, about 0.1 ms), its stdout and stderr go to /dev/null, it dies
-with the process that forked it (Linux: PR_SET_PDEATHSIG), and it imports nothing new (fork after torch is safe as long as the tool itself does not use torch).
+with the process that forked it (Linux: PR_SET_PDEATHSIG), and it imports nothing new (fork
+after torch is safe as long as the tool itself does not use torch).
 Code-like tools that must not be trusted belong in sealrl.rewards.sandbox instead: this worker
 isolates time and output, not the file system.
 """
