@@ -188,9 +188,13 @@ def _files(run: Path) -> list:
 ASYNC = ("rollout.max_staleness=1", "algorithm.correction=token_is")   # the generation thread streams too
 
 
+RAY = ("placement.backend=ray", "placement.rollout_replicas=2", "placement.num_cpus=2")   # a shard at a time
+
+
 @pytest.mark.parametrize("policy,extra", [("penalty", ()), ("retry", ()), ("penalty", ASYNC),
-                                          ("penalty", (*ASYNC, "rollout.lane=process"))],   # rows over the pipe
-                         ids=["penalty", "retry", "async", "process"])
+                                          ("penalty", (*ASYNC, "rollout.lane=process")),   # rows over the pipe
+                                          pytest.param("penalty", RAY, marks=pytest.mark.slow)],
+                         ids=["penalty", "retry", "async", "process", "ray"])
 def test_streamed_run_is_bitwise_the_unstreamed_run(tmp_path, monkeypatch, policy, extra):
     """Same weights, sealed experience (records with their error messages) and metrics; the
     erroring reward's samples are error records (penalised or retried) in both; and the
@@ -222,9 +226,7 @@ def test_streamed_run_is_bitwise_the_unstreamed_run(tmp_path, monkeypatch, polic
 def test_stream_config_is_checked():
     with pytest.raises(ConfigError, match="reward.stream needs reward.num_scorers >= 1"):
         check_config(build_config(None, ["reward.stream=true"]))
-    with pytest.raises(ConfigError, match="^reward.stream=true needs a rollout that can stream finished rows "
-                                          r"\(streams_finished_rows\); placement.backend=ray selects the Ray"):
-        check_config(build_config(None, ["reward.stream=true", "reward.num_scorers=1", "placement.backend=ray"]))
+    check_config(build_config(None, ["reward.stream=true", "reward.num_scorers=1", "placement.backend=ray"]))
     with pytest.raises(ConfigError, match="^reward.stream=true needs .*; rollout.partial=switch selects the switching"):
         check_config(build_config(None, ["reward.stream=true", "reward.num_scorers=1", "rollout.max_staleness=1",
                                          "rollout.partial=switch", "algorithm.correction=token_is"]))

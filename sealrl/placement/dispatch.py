@@ -36,12 +36,15 @@ class ReplicaVersionError(RuntimeError):
 
 def generate_by_id(group: WorkerGroup, requests: list[GenerationRequest], contract: SamplingContract,
                    version: PolicyVersion, timeout_s: float | None = None,
-                   replace: Callable[[int], None] | None = None, max_replacements: int = 1
+                   replace: Callable[[int], None] | None = None, max_replacements: int = 1,
+                   stream: Callable[[list[RolloutSample]], None] | None = None
                    ) -> tuple[list[RolloutSample], dict]:
     """Samples of every requested candidate (in request, then candidate order, as the local
     Rollout returns them) and the join's metrics, incl. which replica served each id.
     A lost replica is replaced and its shard re-sent up to `max_replacements` times per call
-    (only when `replace` is given); any other failure raises its WorkerError."""
+    (only when `replace` is given); any other failure raises its WorkerError. `stream`: each
+    replica's accepted samples are handed on as soon as its shard arrives, while the other
+    replicas still generate (reward.stream on Ray: finished rows, a shard at a time)."""
     by_group = {r.group_id: r for r in requests}
     if len(by_group) != len(requests):
         raise ValueError("generate_by_id: one request per group id (merge candidates first)")
@@ -52,17 +55,23 @@ def generate_by_id(group: WorkerGroup, requests: list[GenerationRequest], contra
     for k, (reqs, _, _) in calls.items():
         join.ask(_keys(reqs, version), 0)
     served: dict[str, int] = {}
+
+    def accept(k: int, out) -> None:   # as each replica's shard arrives
+        if isinstance(out, WorkerError):
+            return
+        fresh = [s for s in out if join.offer((s.sample_id, s.policy_version.id), attempt[k], s)]
+        for s in fresh:
+            served[s.sample_id] = k
+        if stream is not None and fresh:
+            stream(fresh)
+
     for round_ in range(max_replacements + 1):
         lost = []
-        for k, out in sorted(group.settle("generate", calls, timeout_s=timeout_s).items()):
+        for k, out in sorted(group.settle("generate", calls, timeout_s=timeout_s, on_result=accept).items()):
             if isinstance(out, WorkerError):
                 if not (out.lost and replace is not None and round_ < max_replacements):
                     raise out
                 lost.append(k)
-                continue
-            for s in out:
-                if join.offer((s.sample_id, s.policy_version.id), attempt[k], s):
-                    served[s.sample_id] = k
         if not lost:
             break
         for k in lost:  # same shard, same seeds, same version, on a fresh replica

@@ -120,8 +120,6 @@ class RolloutPool:
 
     def generate(self, requests: list[GenerationRequest], contract: SamplingContract,
                  version: PolicyVersion, stream=None) -> list[RolloutSample]:
-        if stream is not None:   # replicas answer whole shards
-            raise MissingCapability(self, "streams_finished_rows")
         if not requests:
             return []
         self.history.append(("generate", version.id))
@@ -131,7 +129,7 @@ class RolloutPool:
             self._replace(k, handles[k])
             handles[k] = self._handle(k)
         samples, metrics = generate_by_id(self.group, requests, contract, version, timeout_s=self.timeout_s,
-                                          replace=replace, max_replacements=self.max_replacements)
+                                          replace=replace, max_replacements=self.max_replacements, stream=stream)
         served = metrics.pop("served_by")
         self.served.append({"version": version.id, "replica_of": served})
         for k, v in metrics.items():

@@ -3,7 +3,8 @@
     group.call(method, *args)          the same call on every worker; results in worker order
     group.map_shards(method, shards)   worker k gets shards[k] (an args tuple); dict k -> result
     group.attr(name)                   an attribute of every worker (e.g. the active version)
-    group.settle(method, shards)       like map_shards, but k -> result or WorkerError (waits for all)
+    group.settle(method, shards)       like map_shards, but k -> result or WorkerError (waits for all;
+                                       on_result(k, result) as each arrives)
     group.put(value)                   share a large argument once (Ray object store)
     group.restart(k)                   (Ray) replace worker k by a fresh one from the factory
     group.close()
@@ -84,7 +85,8 @@ class WorkerGroup(Protocol):
 
     def call(self, method: str, *args, timeout_s: float | None = None, **kwargs) -> list: ...
     def map_shards(self, method: str, shards: Mapping[int, tuple], timeout_s: float | None = None) -> dict: ...
-    def settle(self, method: str, shards: Mapping[int, tuple], timeout_s: float | None = None) -> dict: ...
+    def settle(self, method: str, shards: Mapping[int, tuple], timeout_s: float | None = None,
+               on_result: Callable[[int, Any], None] | None = None) -> dict: ...
     def attr(self, name: str, timeout_s: float | None = None) -> list: ...
     def put(self, value: Any) -> Any: ...
     def close(self) -> None: ...
@@ -108,13 +110,16 @@ class LocalWorkerGroup:
     def map_shards(self, method: str, shards: Mapping[int, tuple], timeout_s: float | None = None) -> dict:
         return {k: self._run(k, method, tuple(a), {}) for k, a in sorted(shards.items())}
 
-    def settle(self, method: str, shards: Mapping[int, tuple], timeout_s: float | None = None) -> dict:
+    def settle(self, method: str, shards: Mapping[int, tuple], timeout_s: float | None = None,
+               on_result: Callable[[int, Any], None] | None = None) -> dict:
         out: dict = {}
         for k, a in sorted(shards.items()):
             try:
                 out[k] = self._run(k, method, tuple(a), {})
             except WorkerError as e:
                 out[k] = e
+            if on_result is not None:
+                on_result(k, out[k])
         return out
 
     def attr(self, name: str, timeout_s: float | None = None) -> list:
@@ -398,9 +403,10 @@ class RayWorkerGroup:
         refs = {k: self.actors[k].call.remote(method, *args) for k, args in sorted(shards.items())}
         return self._collect(method, refs, timeout_s)
 
-    def settle(self, method: str, shards: Mapping[int, tuple], timeout_s: float | None = None) -> dict:
+    def settle(self, method: str, shards: Mapping[int, tuple], timeout_s: float | None = None,
+               on_result: Callable[[int, Any], None] | None = None) -> dict:
         refs = {k: self.actors[k].call.remote(method, *args) for k, args in sorted(shards.items())}
-        return self._collect(method, refs, timeout_s, settle=True)
+        return self._collect(method, refs, timeout_s, settle=True, on_result=on_result)
 
     def attr(self, name: str, timeout_s: float | None = None) -> list:
         out = self._collect(name, {k: a.attr.remote(name) for k, a in enumerate(self.actors)}, timeout_s)
@@ -418,9 +424,11 @@ class RayWorkerGroup:
         import ray
         return ray.put(value)  # an ObjectRef given as a top-level argument arrives resolved
 
-    def _collect(self, method: str, refs: dict, timeout_s: float | None, settle: bool = False) -> dict:
+    def _collect(self, method: str, refs: dict, timeout_s: float | None, settle: bool = False,
+                 on_result: Callable[[int, Any], None] | None = None) -> dict:
         """Wait for every ref until one deadline; raise for the first worker that failed or is
-        late (settle=True: wait for all, k -> result or WorkerError). A late task keeps running
+        late (settle=True: wait for all, k -> result or WorkerError; `on_result(k, that)` as each
+        worker's arrives, in the order they finish, not for late ones). A late task keeps running
         on its actor (Ray cannot stop it safely): later calls queue behind it, so a timed-out
         worker is `lost` (restart it, or close and rebuild the group)."""
         import ray
@@ -449,6 +457,8 @@ class RayWorkerGroup:
                 out[k] = WorkerError(self.role, k, method, f"the worker's process died: {died}", e, lost=True)
             if isinstance(out[k], WorkerError) and not settle:
                 raise out[k] from out[k].cause
+            if on_result is not None:
+                on_result(k, out[k])
         return out
 
     def close(self) -> None:
