@@ -279,12 +279,13 @@ def test_bytes_per_sync_with_lora_under_a_tenth_of_a_full_sync():
     tok = build_char_tokenizer()
     full_state, _ = _actor(mid_shape(), tok).export()   # what publish hands to the rollout
     # per layer: q 512^2, k, v 512 * 128 (+ biases 512 + 2 * 128), o 512^2, gate, up, down 512 * 1152,
-    # two norms of 512; the final norm 512; the tied 16384 * 512 embedding goes out twice today
-    # (the export copies embed_tokens and lm_head one by one)
+    # two norms of 512; the final norm 512; the tied 16384 * 512 embedding once (embed_tokens and
+    # lm_head are one copy in the export, as in the model)
     per_layer = 2 * 512 * 512 + 2 * 512 * 128 + (512 + 256) + 3 * 512 * 1152 + 2 * 512
-    assert sync_bytes(full_state) == 4 * (2 * 16384 * 512 + 3 * per_layer + 512)   # 15.68M parameters
+    assert sync_bytes(full_state) == 4 * (16384 * 512 + 3 * per_layer + 512)   # the 15.67M parameters, once
+    assert full_state["lm_head.weight"] is full_state["model.embed_tokens.weight"]
     state, _ = _actor(apply_lora(mid_shape(), LoraConfig(rank=16, alpha=32.0), "actor.lora", seed=0), tok).export()
     # rank 16 on every linear: r * (in + out) per layer
     per_layer_lora = 16 * (2 * (512 + 512) + 2 * (512 + 128) + 3 * (512 + 1152))
-    assert sync_bytes(state) == 4 * 3 * per_layer_lora   # 1.7% of the full sync
+    assert sync_bytes(state) == 4 * 3 * per_layer_lora   # 2.5% of the full sync
     assert sync_bytes(state) < 0.1 * sync_bytes(full_state)

@@ -62,6 +62,7 @@ from sealrl.roles.distributed import (
     take_collective_seconds,
     world,
 )
+from sealrl.sync.adapter import copy_once
 from sealrl.sync.manifest import WeightManifest, entries_digest, tensor_entry
 
 COLLECTIVES = "_collectives_s"   # a rank's seconds in explicit collectives, beside its update's metrics
@@ -110,7 +111,7 @@ class TrainRank:
         """Rank 0: a detached CPU copy of what its role exports (full weights; an actor with LoRA, the
         adapter's), whole; every other rank: their hash. Every rank takes part (gathering sharded
         weights is a collective)."""
-        state = {k: v.clone() for k, v in full_state(self.exported_tensors()).items()}
+        state = copy_once(full_state(self.exported_tensors()), torch.Tensor.clone)
         if world()[0] == 0:
             return state
         return entries_digest({name: tensor_entry(t) for name, t in state.items()})

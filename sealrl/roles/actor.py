@@ -16,7 +16,7 @@ from sealrl.models.packing import TeacherForcing
 from sealrl.roles import common
 from sealrl.roles.common import batch_log_probs, lr_at, optimizer_step, pad_width
 from sealrl.roles.distributed import all_gather_cat, all_reduce_sums, idle_passes, own_rows, world
-from sealrl.sync.adapter import AdapterManifest, build_adapter_manifest
+from sealrl.sync.adapter import AdapterManifest, build_adapter_manifest, copy_once
 from sealrl.sync.manifest import WeightManifest, build_manifest
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ class Actor:
     def export(self) -> tuple[dict[str, torch.Tensor], WeightManifest | AdapterManifest]:
         """EXPORTING(v): a detached CPU copy of the weights and their manifest; with LoRA only
         the adapter's tensors, and a manifest naming the base by hash (sync/adapter.py)."""
-        state = {k: v.detach().cpu().clone() for k, v in self.exported_tensors().items()}
+        state = copy_once(self.exported_tensors(), lambda t: t.detach().cpu().clone())   # tied: one copy
         return state, self.manifest_of(state)
 
     def exported_tensors(self) -> dict[str, torch.Tensor]:

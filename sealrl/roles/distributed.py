@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from sealrl.experience import ExperienceBatch, split_ids
+from sealrl.sync.adapter import copy_once
 
 _collective_s = [0.0]   # wall seconds in the collectives below since the last take (this process)
 
@@ -242,7 +243,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def full_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A model state dict with every DTensor gathered whole, detached, on the CPU (a collective
     when sharded: every rank calls it, in the same key order)."""
-    return {name: _full(t).detach().cpu() for name, t in state.items()}
+    return copy_once(state, lambda t: _full(t).detach().cpu())   # a tied pair: gathered once
 
 
 def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:

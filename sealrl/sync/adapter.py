@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -105,6 +105,27 @@ def merge_adapter(base: dict[str, Tensor], adapter: dict[str, Tensor], scaling: 
         a, b = adapter[f"{module}.lora_A"], adapter[f"{module}.lora_B"]
         merged[f"{module}.weight"] = (w.float() + (b.float() @ a.float()) * s).to(w.dtype)
     return merged
+
+
+def copy_once(state: Mapping[str, Tensor], copy: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
+    """`copy` of every tensor of `state`, where names that share one tensor (tied embedding and
+    LM head) share one copy: exported once, gathered once, sent once, counted once."""
+    copies: dict[tuple, Tensor] = {}
+    out = {}
+    for name, t in state.items():
+        alias = _alias(t)
+        out[name] = copies[alias] if alias in copies else copies.setdefault(alias, copy(t))
+    return out
+
+
+def _alias(t: Tensor) -> tuple:
+    """Equal for two views of one storage with one layout; a sharded DTensor is keyed by its
+    local shard (the same on every rank for a tied pair), anything without storage by itself."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    try:
+        return type(t), t.device, local.data_ptr(), t.dtype, tuple(t.shape), t.stride()
+    except RuntimeError:
+        return (id(t),)
 
 
 def sync_bytes(state: Mapping[str, torch.Tensor]) -> int:
