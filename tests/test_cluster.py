@@ -192,3 +192,14 @@ def test_a_lost_head_ends_the_run_in_one_line_and_resume_is_exact(tmp_path):
     assert failure["role"] == "ray_head" and failure["message"] == last
     resumed = train(build_config(None, [*args, "run.name=ray", "run.resume=auto"]))   # placement.backend=local
     assert resumed["weights_hash"] == local["weights_hash"] and audit_run(run_dir).ok
+
+
+def test_the_reference_off_the_driver_is_checked_at_load():
+    from sealrl.config import check_config
+    with pytest.raises(ConfigError, match="placement.reference must be driver unless placement.backend=ray"):
+        build_config(None, ["placement.reference=ray"])
+    with pytest.raises(ConfigError, match="placement.reference=ray with actor.lora: the reference is then the "
+                                          "actor's own base") as err:
+        check_config(build_config(None, [*RAY, "placement.reference=ray", "actor.lora.rank=4"]))
+    assert err.value.key == "placement.reference"
+    check_config(build_config(None, [*RAY, "placement.reference=ray", "algorithm.kl_coef=0.05"]))

@@ -5,7 +5,8 @@ each gives the local run's samples and weights, and its run folder audits.
   training lane publishes; each replica stages the new version beside its running generate
   (placement/rollout_pool.py) and keeps serving the retained one the lane samples from;
 - LoRA: every replica pins the frozen base once and each version syncs only the adapter (with
-  rollout.dtype=bf16 the base pinned in bf16).
+  rollout.dtype=bf16 the base pinned in bf16);
+- the KL reference in a Ray actor of its own (placement.reference=ray): the same log-probs.
 """
 from __future__ import annotations
 
@@ -31,7 +32,11 @@ FEATURES = {
     # fp32 LoRA on 2 replicas (and 2 ranks): tests/test_train_group.py
     "lora_bf16": ["actor.lora.rank=4", "actor.lora.alpha=8", "actor.lr=5e-3", "rollout.dtype=bf16",
                   "algorithm.old_log_prob=recompute"],
+    # the KL reference in its own Ray actor (placement.reference=ray, on the Ray run only); one
+    # thread everywhere, so that its log-probs are the driver's bit for bit
+    "reference": ["algorithm.kl_coef=0.05", "run.threads=1"],
 }
+RAY_ONLY = {"reference": ["placement.reference=ray"]}
 
 
 def _run(root, model_dir, *extra: str):   # one run name, so the two runs' sample ids compare
@@ -45,7 +50,7 @@ def _run(root, model_dir, *extra: str):   # one run name, so the two runs' sampl
 @pytest.mark.parametrize("feature", list(FEATURES))
 def test_a_feature_on_ray_replicas_gives_the_local_run_and_audits(tmp_path, tiny_model_dir, feature):
     local, local_dir = _run(tmp_path / "local", tiny_model_dir, *FEATURES[feature])
-    remote, ray_dir = _run(tmp_path / "ray", tiny_model_dir, *FEATURES[feature], *RAY)
+    remote, ray_dir = _run(tmp_path / "ray", tiny_model_dir, *FEATURES[feature], *RAY, *RAY_ONLY.get(feature, []))
     for it in range(ITERATIONS):   # the same samples, sampled by the same versions
         a = read_iteration(local_dir / "experience" / f"iter_{it:06d}.parquet")
         b = read_iteration(ray_dir / "experience" / f"iter_{it:06d}.parquet")
@@ -58,6 +63,11 @@ def test_a_feature_on_ray_replicas_gives_the_local_run_and_audits(tmp_path, tiny
     for run_dir in (local_dir, ray_dir):
         report = audit_run(run_dir)
         assert not report.failed_checks(), (run_dir.parent.name, report.failed_checks())
+    if feature == "reference":   # it ran off the driver, and the run folder says where
+        where = json.loads((ray_dir / "placement.json").read_text())
+        assert ("reference", 0) in {(w["role"], w["worker"]) for w in where["workers"]}
+        batch = read_iteration(ray_dir / "experience" / "iter_000000.parquet")
+        assert batch.provenance("ref_log_probs")[0].value == "reference"
     if feature == "async":   # iteration i >= 1 was sampled by the version one publication behind
         consumed = [json.loads(x) for x in (ray_dir / "experience" / "consumed.jsonl").read_text().splitlines()]
         assert [c["iteration"] for c in consumed] == list(range(ITERATIONS))

@@ -406,11 +406,15 @@ class PlacementConfig:
     replica_resources: str = resumable("")  # custom Ray resources per replica, "name=amount,...", e.g. rollout_node=1
     rank_resources: str = resumable("")    # the same per data-parallel rank: where the ranks may go
     head_grace_s: float = resumable(30.0)  # the Ray head unreachable this long: a named stop (exit 2)
+    reference: str = resumable("driver")   # where the KL reference runs: driver | ray (its own Ray actor)
 
     def __post_init__(self):
         _check(self.backend in ("local", "ray"), "placement.backend", "local or ray", self.backend)
         _check(self.strategy in ("pack", "spread"), "placement.strategy", "pack or spread", self.strategy)
         _check(self.cpus_per_rank > 0, "placement.cpus_per_rank", "> 0", self.cpus_per_rank)
+        _check(self.reference in ("driver", "ray"), "placement.reference", "driver or ray", self.reference)
+        _check(self.reference == "driver" or self.backend == "ray", "placement.reference",
+               "driver unless placement.backend=ray", self.reference)
         _check(self.gpus_per_replica >= 0, "placement.gpus_per_replica", ">= 0", self.gpus_per_replica)
         _check(0 < self.head_grace_s < 60, "placement.head_grace_s", "> 0 and < 60 (Ray's own client aborts at 60 s)",
                self.head_grace_s)

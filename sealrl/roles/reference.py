@@ -30,6 +30,10 @@ class Reference:
         self.tf = tf
 
     def compute(self, batch: ExperienceBatch) -> None:
+        batch.put("ref_log_probs", self.log_probs(batch), Role.REFERENCE, self.version.id)
+
+    def log_probs(self, batch: ExperienceBatch):
+        """The reference log-probs of `batch`'s response tokens (B, T), fp32 on the CPU."""
         training = self.model.training
         self.model.eval()   # no adapter dropout; the actor's mode is given back after
         try:
@@ -37,4 +41,4 @@ class Reference:
                 lp, _ = batch_log_probs(self.model, batch, self.temperature, self.pad_id, self.micro, tf=self.tf)
         finally:
             self.model.train(training)
-        batch.put("ref_log_probs", lp, Role.REFERENCE, self.version.id)
+        return lp

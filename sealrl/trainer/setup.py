@@ -255,8 +255,16 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
         elif cfg.algorithm.kl_coef > 0:  # no reference model is loaded when the KL coefficient is 0
             state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
             ref_version = build_manifest(state, "reference", 0, 0, tok_hash, model_config_hash(model.config)).version
-            reference = Reference(model, ref_version, temperature, pad, tf.micro_batch_size,
-                                  tf=tf, dtype=cfg.actor.dtype, device=cfg.reference.device)
+            make_reference = functools.partial(Reference, model, ref_version, temperature, pad, tf.micro_batch_size,
+                                               tf=tf, dtype=cfg.actor.dtype, device=cfg.reference.device)
+            if cfg.placement.reference == "ray":   # its own Ray actor: the frozen copy off the driver
+                from sealrl.placement import train_group
+                from sealrl.placement.remote_reference import ray_reference
+                train_group.start_ray(cfg.placement, closers)
+                reference = ray_reference(make_reference, ref_version, cfg.placement,
+                                          cfg.reference.device == "cuda", closers)
+            else:
+                reference = make_reference()
         critic = None
         if cfg.algorithm.name == "ppo":
             from sealrl.models.critic import CriticModel
