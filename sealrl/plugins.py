@@ -38,3 +38,22 @@ def import_file(path: Path, prefix: str) -> ModuleType:
         del sys.modules[name]
         raise
     return module
+
+
+def import_source(source: str, path: str, prefix: str) -> ModuleType:
+    """The module of a file's `source` text, read elsewhere (on the driver) and shipped here:
+    loaded once per process and text under `prefix` + a digest of path and text, its code
+    compiled under `path` so tracebacks name the user's file, whether or not it exists here."""
+    name = prefix + hashlib.sha256(f"{path}:{source}".encode()).hexdigest()[:12]
+    if name in sys.modules:
+        return sys.modules[name]
+    module = ModuleType(name)
+    module.__file__ = path
+    sys.modules[name] = module
+    try:
+        exec(compile(source, path, "exec"), module.__dict__)   # noqa: S102 - the user's own env, as import would
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+

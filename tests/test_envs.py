@@ -106,7 +106,8 @@ def test_make_env_by_name_module_and_file(tmp_path: Path):
 
 def test_a_relative_env_file_is_resolved_once_on_the_driver(tmp_path: Path, monkeypatch):
     """env.name=my_env.py:Class relative to the driver's folder reaches a replica that runs in
-    another folder (a Ray worker's) as an absolute path (trainer/setup.episode_spec)."""
+    another folder (a Ray worker's) as an absolute path, and its code with it, read once on the
+    driver (trainer/setup.episode_spec): a replica on a node without the file builds the class."""
     from sealrl.config import build_config
     from sealrl.trainer.setup import episode_spec
     (tmp_path / "my_env.py").write_text("from sealrl.envs.guess import GuessEnv as Mine\n")
@@ -117,6 +118,15 @@ def test_a_relative_env_file_is_resolved_once_on_the_driver(tmp_path: Path, monk
     assert isinstance(make_env(spec.env), GuessEnv)
     with pytest.raises(EnvLoadError, match="no file"):
         make_env("my_env.py:Mine")
+    # the file's code travels in the spec: a node without the file (or with another version of
+    # it) builds the driver's class
+    assert spec.source == "from sealrl.envs.guess import GuessEnv as Mine\n"
+    (tmp_path / "my_env.py").write_text("raise RuntimeError('not the driver s file')\n")
+    assert isinstance(make_env(spec.env, source=spec.source), GuessEnv)
+    (tmp_path / "my_env.py").unlink()
+    assert isinstance(make_env(spec.env, source=spec.source), GuessEnv)
+    with pytest.raises(EnvLoadError, match="no file"):
+        make_env(spec.env)
 
 
 def test_a_tool_worker_dies_with_the_process_that_forked_it(tmp_path: Path):

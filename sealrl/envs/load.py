@@ -8,7 +8,7 @@ from pathlib import Path
 
 from sealrl.envs.calc import CalcEnv
 from sealrl.envs.guess import GuessEnv
-from sealrl.plugins import import_file
+from sealrl.plugins import import_file, import_source
 
 BUILTIN = {"calc": CalcEnv, "guess": GuessEnv}
 
@@ -17,14 +17,18 @@ class EnvLoadError(ValueError):
     """env.name names nothing loadable."""
 
 
-def env_class(name: str) -> type:
+def env_class(name: str, source: str = "") -> type:
+    """The class `name` names; a file env with `source` (its text, shipped from the driver) is
+    built from that text, not from whatever file this process's node has at that path."""
     if name in BUILTIN:
         return BUILTIN[name]
     if ":" not in name:
         raise EnvLoadError(f"env.name={name!r}: not a built-in ({', '.join(sorted(BUILTIN))}) "
                            "and not module:Class or file.py:Class")
     where, cls_name = name.rsplit(":", 1)
-    if where.endswith(".py"):
+    if where.endswith(".py") and source:
+        module = import_source(source, where, "sealrl_user_env_")
+    elif where.endswith(".py"):
         path = Path(where)
         if not path.is_file():
             raise EnvLoadError(f"env.name={name!r}: no file {path}")
@@ -50,9 +54,17 @@ def resolved_name(name: str) -> str:
     return name
 
 
-def make_env(name: str, tool_timeout_s: float = 2.0):
-    """A fresh environment; `tool_timeout_s` reaches classes whose constructor takes `timeout_s`."""
-    cls = env_class(name)
+def env_source(name: str) -> str:
+    """The text of a file env's file (read once, on the driver, to ship to every worker); "" for
+    built-in and module envs."""
+    where, sep, _ = name.rpartition(":")
+    return Path(where).read_text() if sep and where.endswith(".py") and Path(where).is_file() else ""
+
+
+def make_env(name: str, tool_timeout_s: float = 2.0, source: str = ""):
+    """A fresh environment; `tool_timeout_s` reaches classes whose constructor takes `timeout_s`;
+    `source`: a file env's shipped text (env_class)."""
+    cls = env_class(name, source)
     params = inspect.signature(cls).parameters
     env = cls(timeout_s=tool_timeout_s) if "timeout_s" in params else cls()
     for attr in ("name", "version", "stops", "reset", "step", "close"):

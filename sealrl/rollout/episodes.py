@@ -51,6 +51,7 @@ class EpisodeSpec:
     max_tokens: int = 96            # response tokens per episode (policy + observation)
     max_observation_tokens: int = 32  # an observation is cut to this, and marked
     tool_timeout_s: float = 2.0     # per tool call
+    source: str = ""                # a file env's text, read on the driver: every worker runs this code
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ class EpisodeRunner:
         """`reuse_kv=False`: every turn prefills its whole sequence again (the reference path
         of the parity tests; same ids, log-probs equal up to float rounding)."""
         self.spec, self.tokenizer, self.reuse_kv = spec, tokenizer, reuse_kv
-        self.env = env if env is not None else make_env(spec.env, spec.tool_timeout_s)
+        self.env = env if env is not None else make_env(spec.env, spec.tool_timeout_s, spec.source)
 
     def generate(self, generate: Generate, requests: list[GenerationRequest], contract: SamplingContract,
                  version, stream=None) -> list[RolloutSample]:

@@ -355,7 +355,7 @@ def rollout_pool_spec(p):
 def episode_spec(cfg: Config):
     """env.name != none: multi-turn episodes against that environment (rollout/episodes.py)."""
     from sealrl.envs import EnvLoadError
-    from sealrl.envs.load import env_class, resolved_name
+    from sealrl.envs.load import env_class, env_source, resolved_name
     from sealrl.rollout.episodes import EpisodeSpec
     e = cfg.env
     if e.name != "none":
@@ -363,8 +363,10 @@ def episode_spec(cfg: Config):
             env_class(e.name)
         except EnvLoadError as err:
             raise ConfigError(str(err), "env.name") from None
-    return None if e.name == "none" else EpisodeSpec(resolved_name(e.name), e.max_turns, e.max_tokens,
-                                                     e.max_observation_tokens, e.tool_timeout_s)
+    if e.name == "none":
+        return None
+    name = resolved_name(e.name)   # a file env's code travels in the spec: no node needs the file
+    return EpisodeSpec(name, e.max_turns, e.max_tokens, e.max_observation_tokens, e.tool_timeout_s, env_source(name))
 
 
 def ray_rollout_pool(cfg: Config, template, tokenizer, closers: list, shared=None, episodes=None, vllm=None):
