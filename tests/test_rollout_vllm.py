@@ -156,6 +156,23 @@ def test_same_request_and_seed_give_the_same_tokens_and_a_retry_reproduces_its_c
 
 
 @needs_vllm
+def test_a_step_of_more_prompt_tokens_than_its_budget_keeps_the_engine_up(setup):
+    """On the CPU, vLLM rewinds a seeded request's generator after sampling from a prompt
+    chunk, which CPU generators cannot do: the engine died once a step's prompts exceeded its
+    token budget (arith_tools on vLLM, iteration 5). sealrl starts it with whole prompts only."""
+    engine, model, tok, base, hashes = setup
+    state, manifest = _version(base, 5, *hashes)
+    engine.load_weights(state, manifest)
+    budget = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    width = 100   # the embedded model's positions stop at 128
+    n = budget // width + 2   # more prompt tokens than one step takes
+    requests = [GenerationRequest(f"long{i}", tuple(5 + (i + j) % 20 for j in range(width)), 7 + i, (0,))
+                for i in range(n)]
+    samples = engine.generate(requests, SamplingContract(max_new_tokens=3), manifest.version)
+    assert len(samples) == n and all(s.stop_reason is not StopReason.ERROR for s in samples)
+
+
+@needs_vllm
 def test_stop_reasons_and_the_stop_token_is_kept(setup):
     engine, model, tok, base, hashes = setup
     state, manifest = _version(base, 3, *hashes)

@@ -395,11 +395,17 @@ def _start(folder: Path, options: VllmOptions):
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")   # share the cores with the trainer
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from vllm import LLM
+    from vllm.platforms import current_platform
+    # vLLM's CPU worker rewinds a seeded request's generator when it drops the token sampled after
+    # a chunk of a prompt, and CPU generators have no offset: the engine dies ("CPU Generator does
+    # not use offset") once a step's prompts exceed its token budget (seen: arith_tools, iteration
+    # 5). Whole prompts only, on the CPU; GPUs keep chunked prefill.
+    cpu = {"enable_chunked_prefill": False} if current_platform.is_cpu() else {}
     started = time.perf_counter()
     llm = LLM(model=str(folder), tokenizer=str(folder), dtype=DTYPES[options.dtype], load_format="dummy",
               enforce_eager=options.enforce_eager, logprobs_mode="processed_logprobs", generation_config="vllm",
               gpu_memory_utilization=options.gpu_memory_utilization, max_num_seqs=options.max_num_seqs,
-              worker_extension_cls=EXTENSION, seed=0)
+              worker_extension_cls=EXTENSION, seed=0, **cpu)
     print(f"sealrl: vLLM engine up in {time.perf_counter() - started:.1f} s ({DTYPES[options.dtype]})",
           file=sys.stderr, flush=True)
     return llm
