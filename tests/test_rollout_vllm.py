@@ -372,13 +372,16 @@ def test_multi_turn_tool_run_on_vllm_is_audited(tmp_path):
 @pytest.mark.slow
 def test_two_ray_replicas_of_vllm_sync_in_two_phases_and_the_run_is_audited(tmp_path):
     """placement.backend=ray: each replica runs its own vLLM engine; every version is staged and
-    verified on both before either switches (placement/rollout_pool.py), and both serve."""
+    verified on both before either switches (placement/rollout_pool.py), and both serve; scores
+    are streamed a replica's shard at a time (reward.stream)."""
     pytest.importorskip("ray", reason="placement.backend=ray needs ray (the test extra)")
     from sealrl.audit import audit_run
     run = _short_run(tmp_path, "arith_grpo.yaml", "placement.backend=ray", "placement.rollout_replicas=2",
-                     "placement.num_cpus=2", "placement.cpus_per_replica=0.5", "placement.timeout_s=300")
+                     "placement.num_cpus=2", "placement.cpus_per_replica=0.5", "placement.timeout_s=300",
+                     "reward.stream=true", "reward.num_scorers=1")   # the pool streams each replica's shard
     assert audit_run(run).failed_checks() == []
     served = [json.loads(x) for x in (run / "served.jsonl").read_text().splitlines()]
-    assert {k for row in served for k in row["replica_of"].values()} == {0, 1}
+    replicas = [row["replica_of"] for row in served if "replica_of" in row]   # the others: the scorer pool's
+    assert {k for row in replicas for k in row.values()} == {0, 1}
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(line["logprob/old_vs_rollout_log_prob_abs_diff_max"] <= 1e-5 for line in lines)

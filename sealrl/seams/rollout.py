@@ -132,10 +132,15 @@ def requires(cfg) -> list[tuple[str, Any, str]]:
 
 def narrowing(cfg, backend: str | None = None) -> list[tuple[ClientKind, str]]:
     """What narrows the selected client's capabilities: switching generation, a vLLM engine
-    (`backend`: the resolved rollout.backend when known, else the config's)."""
+    (`backend`: the resolved rollout.backend when known, else the config's). In the Ray pool a
+    vLLM engine does not narrow streaming: the pool streams each replica's whole shard as it
+    arrives, whatever engine generated it."""
     out = [(SWITCHING, "rollout.partial=switch")] if cfg.rollout.partial == "switch" else []
     if (backend or cfg.rollout.backend) == "vllm":
-        out.append((VLLM, "rollout.backend=vllm"))
+        engine = VLLM
+        if selected_client(cfg)[0] == "ray_pool":
+            engine = ClientKind(VLLM.name, dataclasses.replace(VLLM.capabilities, streams_finished_rows=True))
+        out.append((engine, "rollout.backend=vllm"))
     return out
 
 
