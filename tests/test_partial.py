@@ -312,3 +312,33 @@ def test_a_lora_switch_run_switches_audits_and_replays_bitwise(tmp_path, monkeyp
     assert after.any()
     assert (batch.get("rollout_log_probs") - batch.get("old_log_probs"))[after].abs().max() < 1e-5
     assert replay(run, tmp_path / "replay")["weights_hash"] == summary["weights_hash"]
+
+
+# ---- on a Ray pool of two replicas -----------------------------------------------------------
+
+@pytest.mark.slow
+def test_switch_on_two_ray_replicas_is_bitwise_the_thread_lane_and_replays(switch_run, tmp_path, monkeypatch):
+    """The same forced switches, decided on each replica on the activation the pool sends it
+    while that replica samples its shard: the same tokens, token versions and weights as the
+    one-process run; its record replays on the pool (every replica waits for the recorded
+    versions there), bitwise."""
+    pytest.importorskip("ray", reason="placement.backend=ray needs ray (the test extra)")
+    from tests.test_pipeline import _files
+    ray = ["placement.backend=ray", "placement.rollout_replicas=2", "placement.num_cpus=2",
+           "placement.cpus_per_replica=0.5", "placement.timeout_s=120"]
+    monkeypatch.setattr(trainer_setup, "Rollout", HeldRollout)   # pickled by name into each replica
+    summary, run = _train(tmp_path, "sw", *SWITCH, "rollout.temperature=1.5", "actor.lr=1e-2", *ray)
+    assert summary["weights_hash"] == switch_run[0]["weights_hash"]
+    for (_, got), (_, want) in zip(_files(run), _files(switch_run[1])):
+        # a switch prefills the running rows again, 8 per replica instead of 16: the matmuls
+        # block differently, so the new version's log-probs may move by float32 rounding
+        lp_got, lp_want = got.pop("rollout_log_probs"), want.pop("rollout_log_probs")
+        assert got == want   # the same tokens, versions and every other column
+        for a, b in zip(sum(lp_got, []), sum(lp_want, [])):
+            assert abs(a - b) <= 64 * 2 ** -23 * max(1.0, abs(b)), (a, b)
+    served = [json.loads(x) for x in (run / "served.jsonl").read_text().splitlines()]
+    assert {k for row in served for k in row["replica_of"].values()} == {0, 1}   # both replicas switched
+    assert audit_run(run).ok
+    monkeypatch.undo()
+    result = replay(run, tmp_path / "replay")   # no forced hook: the record's switches only
+    assert result["bitwise"] and result["weights_hash"] == summary["weights_hash"]

@@ -6,7 +6,8 @@ each gives the local run's samples and weights, and its run folder audits.
   (placement/rollout_pool.py) and keeps serving the retained one the lane samples from;
 - LoRA: every replica pins the frozen base once and each version syncs only the adapter (with
   rollout.dtype=bf16 the base pinned in bf16);
-- the KL reference in a Ray actor of its own (placement.reference=ray): the same log-probs.
+- the KL reference in a Ray actor of its own (placement.reference=ray): the same log-probs, with
+  LoRA too (the actor's base with the adapter off, copied into that actor).
 """
 from __future__ import annotations
 
@@ -35,8 +36,11 @@ FEATURES = {
     # the KL reference in its own Ray actor (placement.reference=ray, on the Ray run only); one
     # thread everywhere, so that its log-probs are the driver's bit for bit
     "reference": ["algorithm.kl_coef=0.05", "run.threads=1"],
+    # with LoRA the reference is the base with the adapter off: in its Ray actor, a copy of both
+    "lora_reference": ["actor.lora.rank=4", "actor.lora.alpha=8", "actor.lr=5e-3", "algorithm.kl_coef=0.05",
+                       "run.threads=1"],
 }
-RAY_ONLY = {"reference": ["placement.reference=ray"]}
+RAY_ONLY = {"reference": ["placement.reference=ray"], "lora_reference": ["placement.reference=ray"]}
 
 
 def _run(root, model_dir, *extra: str):   # one run name, so the two runs' sample ids compare
@@ -63,7 +67,7 @@ def test_a_feature_on_ray_replicas_gives_the_local_run_and_audits(tmp_path, tiny
     for run_dir in (local_dir, ray_dir):
         report = audit_run(run_dir)
         assert not report.failed_checks(), (run_dir.parent.name, report.failed_checks())
-    if feature == "reference":   # it ran off the driver, and the run folder says where
+    if feature.endswith("reference"):   # it ran off the driver, and the run folder says where
         where = json.loads((ray_dir / "placement.json").read_text())
         assert ("reference", 0) in {(w["role"], w["worker"]) for w in where["workers"]}
         batch = read_iteration(ray_dir / "experience" / "iter_000000.parquet")

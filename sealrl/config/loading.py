@@ -166,13 +166,6 @@ def check_config(cfg: Config) -> None:
     if cfg.rollout.partial == "switch" and not cfg.rollout.max_staleness:   # rollout/switching.py, docs/async.md
         raise ConfigError("rollout.partial=switch needs rollout.max_staleness >= 1 (at 0 nothing is published while "
                           "generating)", "rollout.partial")
-    if cfg.rollout.max_staleness and cfg.rollout.lane == "process" and cfg.placement.backend == "ray":
-        raise ConfigError("rollout.lane=process with placement.backend=ray: the Ray replicas already generate in "
-                          "their own processes; use rollout.lane=thread", "rollout.lane")
-    if cfg.placement.reference == "ray" and cfg.actor.lora.rank:   # roles/reference.py adapter_off
-        raise ConfigError("placement.reference=ray with actor.lora: the reference is then the actor's own base "
-                          "with the adapter off (no copy of its own), so it runs beside the actor; use "
-                          "placement.reference=driver", "placement.reference")
     if cfg.reward.stream and not cfg.reward.num_scorers:   # trainer/streaming.py
         raise ConfigError("reward.stream needs reward.num_scorers >= 1 (inline scoring would run between decode "
                           f"steps: nothing overlaps), got {cfg.reward.num_scorers}", "reward.stream")

@@ -37,22 +37,24 @@ class ReplicaVersionError(RuntimeError):
 def generate_by_id(group: WorkerGroup, requests: list[GenerationRequest], contract: SamplingContract,
                    version: PolicyVersion, timeout_s: float | None = None,
                    replace: Callable[[int], None] | None = None, max_replacements: int = 1,
-                   stream: Callable[[list[RolloutSample]], None] | None = None
-                   ) -> tuple[list[RolloutSample], dict]:
+                   stream: Callable[[list[RolloutSample]], None] | None = None,
+                   method: str = "generate", extra: tuple = ()) -> tuple[list[RolloutSample], dict]:
     """Samples of every requested candidate (in request, then candidate order, as the local
     Rollout returns them) and the join's metrics, incl. which replica served each id.
     A lost replica is replaced and its shard re-sent up to `max_replacements` times per call
     (only when `replace` is given); any other failure raises its WorkerError. `stream`: each
     replica's accepted samples are handed on as soon as its shard arrives, while the other
-    replicas still generate (reward.stream on Ray: finished rows, a shard at a time)."""
+    replicas still generate (reward.stream on Ray: finished rows, a shard at a time).
+    `method`, `extra`: the replica call and its arguments after (requests, contract, version):
+    generate_switching with a replay's plan (rollout.partial=switch)."""
     by_group = {r.group_id: r for r in requests}
     if len(by_group) != len(requests):
         raise ValueError("generate_by_id: one request per group id (merge candidates first)")
     shards = split_ids(by_group, group.num_workers)
     join = Join("rollout")
-    calls = {k: ([by_group[g] for g in ids], contract, version) for k, ids in enumerate(shards) if ids}
+    calls = {k: ([by_group[g] for g in ids], contract, version, *extra) for k, ids in enumerate(shards) if ids}
     attempt = dict.fromkeys(calls, 0)   # join attempt of each shard's ids
-    for k, (reqs, _, _) in calls.items():
+    for k, (reqs, *_) in calls.items():
         join.ask(_keys(reqs, version), 0)
     served: dict[str, int] = {}
 
@@ -67,7 +69,7 @@ def generate_by_id(group: WorkerGroup, requests: list[GenerationRequest], contra
 
     for round_ in range(max_replacements + 1):
         lost = []
-        for k, out in sorted(group.settle("generate", calls, timeout_s=timeout_s, on_result=accept).items()):
+        for k, out in sorted(group.settle(method, calls, timeout_s=timeout_s, on_result=accept).items()):
             if isinstance(out, WorkerError):
                 if not (out.lost and replace is not None and round_ < max_replacements):
                     raise out

@@ -37,7 +37,7 @@ from sealrl.experience import PolicyVersion, SamplingContract
 from sealrl.experience.wire import GenerationRequest, RolloutSample
 from sealrl.placement.dispatch import ReplicaVersionError, activate_all, generate_by_id, replace_replica, stage_all
 from sealrl.placement.workers import WorkerGroup
-from sealrl.seams.rollout import CLIENTS, MissingCapability
+from sealrl.seams.rollout import CLIENTS
 from sealrl.sync.manifest import WeightManifest
 from sealrl.sync.versions import VersionSlots
 
@@ -120,6 +120,19 @@ class RolloutPool:
 
     def generate(self, requests: list[GenerationRequest], contract: SamplingContract,
                  version: PolicyVersion, stream=None) -> list[RolloutSample]:
+        return self._generate("generate", requests, contract, version, stream=stream)
+
+    def generate_switching(self, requests, contract, version, plan=None, resolve=None) -> list[RolloutSample]:
+        """rollout.partial=switch: each replica's running rows move to a version when the pool
+        activates it there (plan None), so each shard switches at its own token, recorded per
+        sample; a replay's `plan` names the recorded versions themselves, which every replica
+        waits for (`resolve`, a function of this process, cannot cross)."""
+        if resolve is not None:
+            raise ValueError("generate_switching on the replica pool: the plan's keys must be the versions "
+                             "themselves (a resolve function cannot cross processes)")
+        return self._generate("generate_switching", requests, contract, version, extra=(plan,))
+
+    def _generate(self, method, requests, contract, version, stream=None, extra: tuple = ()) -> list[RolloutSample]:
         if not requests:
             return []
         self.history.append(("generate", version.id))
@@ -129,15 +142,13 @@ class RolloutPool:
             self._replace(k, handles[k])
             handles[k] = self._handle(k)
         samples, metrics = generate_by_id(self.group, requests, contract, version, timeout_s=self.timeout_s,
-                                          replace=replace, max_replacements=self.max_replacements, stream=stream)
+                                          replace=replace, max_replacements=self.max_replacements, stream=stream,
+                                          method=method, extra=extra)
         served = metrics.pop("served_by")
         self.served.append({"version": version.id, "replica_of": served})
         for k, v in metrics.items():
             self.join_counts[k] = self.join_counts.get(k, 0.0) + v
         return samples
-
-    def generate_switching(self, requests, contract, version, plan=None, resolve=None) -> list[RolloutSample]:
-        raise MissingCapability(self, "switches_versions")
 
     def retain(self, versions: int) -> None:
         """Every replica keeps serving the last `versions` loaded versions (1 = only the active

@@ -67,9 +67,10 @@ CLIENTS = {
         retained_versions=True, loads_while_generating=True, lora_adapters=True)),
     # replicas activate each version together (and retain the last k); each replica stages a
     # version beside a running generate (two calls at once); every replica pins the LoRA base;
-    # a streamed generate hands on each replica's shard as it arrives, while the others generate
+    # a streamed generate hands on each replica's shard as it arrives, while the others generate;
+    # a switching generate moves each replica's rows when the version is activated there
     "ray_pool": ClientKind("the Ray replica pool (placement/rollout_pool.py)", Capabilities(
-        streams_finished_rows=True, switches_versions=False, multi_turn=True, bounded_rows=True,
+        streams_finished_rows=True, switches_versions=True, multi_turn=True, bounded_rows=True,
         retained_versions=True, loads_while_generating=True, lora_adapters=True)),
 }
 

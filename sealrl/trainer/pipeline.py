@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import queue
+import sys
 import threading
 from collections import Counter
 from contextlib import contextmanager, nullcontext
@@ -181,7 +182,10 @@ class Pipeline:
         self.origin = min(self.versions)   # the first iteration whose consuming version is known
         if self.threaded:
             self.run.roles.rollout.retain(self.bound + 1)
-            if self.run.cfg.rollout.lane == "process":   # generation in its own process: process_lane.py
+            if self.run.cfg.rollout.lane == "process" and self.run.cfg.placement.backend == "ray":
+                print("sealrl: rollout.lane=process on Ray: the replicas are the generation processes; the lane "
+                      "drives them from a thread", file=sys.stderr, flush=True)
+            elif self.run.cfg.rollout.lane == "process":   # generation in its own process: process_lane.py
                 from sealrl.trainer.process_lane import ProcessLane
                 self._process = ProcessLane(self.run, self.first_version, self.bound + 1, self.recalled)
             self._thread = threading.Thread(target=self._lane, name="sealrl-generation", daemon=True)
@@ -267,7 +271,8 @@ class Pipeline:
         version ({} = none); () outside a replay: the clock decides (trainer/partial.py)."""
         if self.schedule is None:
             return ()
-        if self._process is not None:   # the process waits for the recorded versions themselves
+        if self._process is not None or self.run.cfg.placement.backend == "ray":
+            # the generation process, or each replica, waits for the recorded versions themselves
             return getattr(self.schedule, "targets", {}).get(it, {}), None
         return getattr(self.schedule, "switches", {}).get(it, {}), self._wait_version
 

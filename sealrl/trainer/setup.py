@@ -251,20 +251,23 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
         reference = None
         if cfg.algorithm.kl_coef > 0 and base is not None:   # LoRA: the base with the adapter off, no copy
             ref_version = dataclasses.replace(base.version, run_id="reference:base-adapter-off")
-            reference = Reference(model, ref_version, temperature, pad, cfg.actor.micro_batch_size, adapter_off=True)
+            make_reference = functools.partial(Reference, model, ref_version, temperature, pad,
+                                               cfg.actor.micro_batch_size, adapter_off=True)
         elif cfg.algorithm.kl_coef > 0:  # no reference model is loaded when the KL coefficient is 0
             state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
             ref_version = build_manifest(state, "reference", 0, 0, tok_hash, model_config_hash(model.config)).version
             make_reference = functools.partial(Reference, model, ref_version, temperature, pad, tf.micro_batch_size,
                                                tf=tf, dtype=cfg.actor.dtype, device=cfg.reference.device)
-            if cfg.placement.reference == "ray":   # its own Ray actor: the frozen copy off the driver
-                from sealrl.placement import train_group
-                from sealrl.placement.remote_reference import ray_reference
-                train_group.start_ray(cfg.placement, closers)
-                reference = ray_reference(make_reference, ref_version, cfg.placement,
-                                          cfg.reference.device == "cuda", closers)
-            else:
-                reference = make_reference()
+        if cfg.algorithm.kl_coef > 0 and cfg.placement.reference == "ray":
+            # its own Ray actor: the frozen copy off the driver (with LoRA, a copy of the base and
+            # adapter, used with the adapter off as here)
+            from sealrl.placement import train_group
+            from sealrl.placement.remote_reference import ray_reference
+            train_group.start_ray(cfg.placement, closers)
+            reference = ray_reference(make_reference, ref_version, cfg.placement, cfg.reference.device == "cuda",
+                                      closers)
+        elif cfg.algorithm.kl_coef > 0:
+            reference = make_reference()
         critic = None
         if cfg.algorithm.name == "ppo":
             from sealrl.models.critic import CriticModel
