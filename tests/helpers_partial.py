@@ -10,12 +10,12 @@ from sealrl.rollout import switching
 class HeldRollout(Rollout):
     """Live switching held at token 2 of iterations >= 1 until a newer version is loaded here."""
 
-    def generate_switching(self, requests, contract, version, plan=None, resolve=None):
+    def generate_switching(self, requests, contract, version, plan=None, resolve=None, stream=None):
         if plan is not None:
-            return super().generate_switching(requests, contract, version, plan, resolve)
+            return super().generate_switching(requests, contract, version, plan, resolve, stream)
         it, engine = int(requests[0].group_id.split("/")[-2]), self.engine
         switch = forced_switch(engine, it)
-        return switching.generate_switching(engine, requests, contract, version, switch)
+        return switching.generate_switching(engine, requests, contract, version, switch, stream)
 
 
 def forced_switch(engine, it):

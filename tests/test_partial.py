@@ -277,10 +277,12 @@ def test_switch_mode_without_a_publication_mid_generation_is_the_finish_run(tmp_
 
 def test_switch_in_the_generation_process_is_bitwise_the_thread_lane(switch_run, tmp_path, monkeypatch):
     """The same forced switches, decided in the generation process on the loads it receives while
-    it samples: the same sealed experience and weights as the thread lane's run."""
+    it samples, its finished rows streamed back to the scorers: the same sealed experience and
+    weights as the thread lane's run."""
     from tests.test_pipeline import _files
     monkeypatch.setattr(trainer_setup, "Rollout", HeldRollout)
-    summary, run = _train(tmp_path, "sw", *SWITCH, "rollout.temperature=1.5", "actor.lr=1e-2", "rollout.lane=process")
+    summary, run = _train(tmp_path, "sw", *SWITCH, "rollout.temperature=1.5", "actor.lr=1e-2", "rollout.lane=process",
+                          "reward.stream=true", "reward.num_scorers=1")
     assert summary["weights_hash"] == switch_run[0]["weights_hash"]
     assert _files(run) == _files(switch_run[1])
     assert audit_run(run).ok
@@ -314,6 +316,51 @@ def test_a_lora_switch_run_switches_audits_and_replays_bitwise(tmp_path, monkeyp
     assert replay(run, tmp_path / "replay")["weights_hash"] == summary["weights_hash"]
 
 
+def assert_same_within_rounding(run: Path, want: Path) -> None:
+    """`run` sealed the same tokens, versions and every column of `want` but the rollout's
+    log-probs, which agree within float32 rounding (a prefill of other row counts)."""
+    from tests.test_pipeline import _files
+    for (_, got), (_, ref) in zip(_files(run), _files(want), strict=True):
+        lp_got, lp_ref = got.pop("rollout_log_probs"), ref.pop("rollout_log_probs")
+        assert got == ref
+        for a, b in zip(sum(lp_got, []), sum(lp_ref, []), strict=True):
+            assert abs(a - b) <= 64 * 2 ** -23 * max(1.0, abs(b)), (a, b)
+
+
+def test_switch_in_waves_of_bounded_rows_switches_each_wave_and_replays(switch_run, tmp_path, monkeypatch):
+    """rollout.max_rows=8: the 16 rows of an iteration decode in two waves, each from the
+    iteration's version; the forced switch moves each wave at token 2 (the second wave finds the
+    new version active already): the one-loop run's tokens and versions, and a bitwise replay."""
+    monkeypatch.setattr(trainer_setup, "Rollout", HeldRollout)
+    summary, run = _train(tmp_path, "sw", *SWITCH, "rollout.temperature=1.5", "actor.lr=1e-2", "rollout.max_rows=8")
+    assert_same_within_rounding(run, switch_run[1])
+    assert audit_run(run).ok
+    monkeypatch.undo()
+    result = replay(run, tmp_path / "replay")
+    assert result["bitwise"] and result["weights_hash"] == summary["weights_hash"]
+
+
+def test_streamed_scoring_of_a_switch_run_is_bitwise_the_unstreamed(switch_run, tmp_path, monkeypatch):
+    """reward.stream with rollout.partial=switch: rows that finish in any segment go to the
+    scorers while the others decode; the sealed experience and weights are the inline run's."""
+    from sealrl.trainer.streaming import EarlyScores
+    from tests.test_pipeline import _files
+    takes, real_take = [], EarlyScores.take
+
+    def take(self, ids, items):
+        pairs, todo = real_take(self, ids, items)
+        takes.append((len(pairs), len(todo)))
+        return pairs, todo
+    monkeypatch.setattr(EarlyScores, "take", take)
+    monkeypatch.setattr(trainer_setup, "Rollout", HeldRollout)
+    summary, run = _train(tmp_path, "sw", *SWITCH, "rollout.temperature=1.5", "actor.lr=1e-2", "reward.stream=true",
+                          "reward.num_scorers=1")
+    assert summary["weights_hash"] == switch_run[0]["weights_hash"]
+    assert _files(run) == _files(switch_run[1])
+    assert takes == [(16, 0)] * 4   # 4 iterations of 4 prompts x 4: every record came from the stream
+    assert audit_run(run).ok
+
+
 # ---- on a Ray pool of two replicas -----------------------------------------------------------
 
 @pytest.mark.slow
@@ -329,13 +376,9 @@ def test_switch_on_two_ray_replicas_is_bitwise_the_thread_lane_and_replays(switc
     monkeypatch.setattr(trainer_setup, "Rollout", HeldRollout)   # pickled by name into each replica
     summary, run = _train(tmp_path, "sw", *SWITCH, "rollout.temperature=1.5", "actor.lr=1e-2", *ray)
     assert summary["weights_hash"] == switch_run[0]["weights_hash"]
-    for (_, got), (_, want) in zip(_files(run), _files(switch_run[1])):
-        # a switch prefills the running rows again, 8 per replica instead of 16: the matmuls
-        # block differently, so the new version's log-probs may move by float32 rounding
-        lp_got, lp_want = got.pop("rollout_log_probs"), want.pop("rollout_log_probs")
-        assert got == want   # the same tokens, versions and every other column
-        for a, b in zip(sum(lp_got, []), sum(lp_want, [])):
-            assert abs(a - b) <= 64 * 2 ** -23 * max(1.0, abs(b)), (a, b)
+    # a switch prefills the running rows again, 8 per replica instead of 16: the matmuls block
+    # differently, so the new version's log-probs may move by float32 rounding
+    assert_same_within_rounding(run, switch_run[1])
     served = [json.loads(x) for x in (run / "served.jsonl").read_text().splitlines()]
     assert {k for row in served for k in row["replica_of"].values()} == {0, 1}   # both replicas switched
     assert audit_run(run).ok

@@ -429,14 +429,16 @@ def test_the_wrappers_pass_the_protocol_and_their_capabilities_through(objects):
     wrapped = SwitchingRollout(_Rollout(inner, _Clock(0)), None, None)
     assert missing_members(wrapped) == [] and missing_members(wrapped._rollout) == []
     assert wrapped.capabilities == switching(inner.capabilities)
-    assert not wrapped.capabilities.streams_finished_rows and wrapped.capabilities.switches_versions
+    assert not wrapped.capabilities.multi_turn and wrapped.capabilities.switches_versions
     assert wrapped.load(state, v0) == v0.version == inner.version
     got = wrapped.generate(requests[:2], CONTRACT, v0.version)   # no publication meanwhile: no switch
     want = reference(model, tok, state, v0, requests[:2])
     assert_same_records([dataclasses.replace(s, segments=()) for s in got], want)
     assert all(s.segments == ((0, v0.version),) for s in got)
-    with pytest.raises(MissingCapability, match="streams_finished_rows"):
-        wrapped.generate(requests[:2], CONTRACT, v0.version, stream=print)
+    streamed = []   # finished rows handed on in any segment: the samples returned
+    again = wrapped.generate(requests[:2], CONTRACT, v0.version, stream=streamed.extend)
+    assert sorted(streamed, key=lambda s: s.sample_id) == sorted(again, key=lambda s: s.sample_id) == \
+        sorted(got, key=lambda s: s.sample_id)
 
 
 def test_config_refusals_follow_the_selected_clients_capabilities():
@@ -457,8 +459,8 @@ def test_config_refusals_follow_the_selected_clients_capabilities():
             assert "\n" not in str(e.value) and f"({lacking[0]})" in str(e.value), str(e.value)
             assert CLIENTS[kind].name in str(e.value) and e.value.key == requires(cfg)[
                 [c for _, _, c in requires(cfg)].index(lacking[0])][0]
-    # switching generation on a client that streams: refused by the switching generation's row
-    cfg = build_config(None, [*FEATURES["switches_versions"], *FEATURES["streams_finished_rows"]])
-    with pytest.raises(ConfigError, match=r"^reward.stream=true needs .*\(streams_finished_rows\); "
+    # switching generation on a client that plays episodes: refused by the switching generation's row
+    cfg = build_config(None, [*FEATURES["switches_versions"], *FEATURES["multi_turn"]])
+    with pytest.raises(ConfigError, match=r"^env.name=guess needs .*\(multi_turn\); "
                                           r"rollout.partial=switch selects the switching generation"):
         check_config(cfg)

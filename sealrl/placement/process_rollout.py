@@ -84,14 +84,16 @@ class ProcessRollout:
             return self._call("generate", requests, contract, version)
         return self._call("generate_streamed", requests, contract, version, stream=stream)
 
-    def generate_switching(self, requests, contract, version, plan=None, resolve=None):
+    def generate_switching(self, requests, contract, version, plan=None, resolve=None, stream=None):
         """rollout.partial=switch: the switch happens there, on the loads it receives meanwhile;
         a replay's `plan` names the recorded versions themselves, waited for there (`resolve`,
         a function of this process, cannot cross)."""
         if resolve is not None:
             raise ValueError("generate_switching in the generation process: the plan's keys must be the "
                              "versions themselves (a resolve function cannot cross processes)")
-        return self._call("generate_switching", requests, contract, version, plan)
+        if stream is None:
+            return self._call("generate_switching", requests, contract, version, plan)
+        return self._call("generate_switching_streamed", requests, contract, version, plan, stream=stream)
 
     def pin_base(self, state, manifest) -> str:
         """LoRA: the frozen base, sent once over the weights pipe and verified there; every later
@@ -241,14 +243,15 @@ def _serve(factory: bytes, threads: int, retain: int, calls: Connection, weights
 
 
 def _serve_call(role, calls: Connection, method: str, args: tuple):
-    """One call on the role; a streamed generate sends each step's finished rows ahead of its answer."""
-    if method != "generate_streamed":
+    """One call on the role; a streamed generate (switching or not) sends each step's finished
+    rows ahead of its answer."""
+    if not method.endswith("_streamed"):
         return getattr(role, method)(*args)
 
     def send(samples) -> None:
         if samples:
             calls.send(("stream", samples))
-    return role.generate(*args, stream=send)
+    return getattr(role, method.removesuffix("_streamed"))(*args, stream=send)
 
 
 def _load_loop(role, weights: Connection) -> None:

@@ -122,15 +122,17 @@ class RolloutPool:
                  version: PolicyVersion, stream=None) -> list[RolloutSample]:
         return self._generate("generate", requests, contract, version, stream=stream)
 
-    def generate_switching(self, requests, contract, version, plan=None, resolve=None) -> list[RolloutSample]:
+    def generate_switching(self, requests, contract, version, plan=None, resolve=None,
+                           stream=None) -> list[RolloutSample]:
         """rollout.partial=switch: each replica's running rows move to a version when the pool
         activates it there (plan None), so each shard switches at its own token, recorded per
         sample; a replay's `plan` names the recorded versions themselves, which every replica
-        waits for (`resolve`, a function of this process, cannot cross)."""
+        waits for (`resolve`, a function of this process, cannot cross). `stream`: each shard as
+        it arrives, as generate does."""
         if resolve is not None:
             raise ValueError("generate_switching on the replica pool: the plan's keys must be the versions "
                              "themselves (a resolve function cannot cross processes)")
-        return self._generate("generate_switching", requests, contract, version, extra=(plan,))
+        return self._generate("generate_switching", requests, contract, version, stream=stream, extra=(plan,))
 
     def _generate(self, method, requests, contract, version, stream=None, extra: tuple = ()) -> list[RolloutSample]:
         if not requests:

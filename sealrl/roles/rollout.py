@@ -86,7 +86,8 @@ class Rollout:
         return self.engine.generate(requests, contract, version, stream=stream)
 
     def generate_switching(self, requests: list[GenerationRequest], contract: SamplingContract,
-                           version: PolicyVersion, plan: dict | None = None, resolve=None) -> list[RolloutSample]:
+                           version: PolicyVersion, plan: dict | None = None, resolve=None,
+                           stream=None) -> list[RolloutSample]:
         """rollout.partial=switch: GENERATING(version), the running rows moving to a version
         activated meanwhile (plan None), or at a replay's recorded tokens (plan: first token ->
         key; `resolve(key)` the version, else the key is the version, waited for until it is
@@ -95,7 +96,7 @@ class Rollout:
             switch = switching.live_switch(self.engine)
         else:
             switch = switching.planned(plan, resolve or (lambda v: switching.wait_held(self.engine, v)))
-        return switching.generate_switching(self.engine, requests, contract, version, switch)
+        return switching.generate_switching(self.engine, requests, contract, version, switch, stream)
 
     def take_recoveries(self) -> list[float]:
         """Seconds of each replica replacement (a replica pool's record): none in one process."""

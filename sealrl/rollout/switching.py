@@ -68,18 +68,39 @@ def wait_held(engine, version: PolicyVersion, poll_s: float = 0.005) -> PolicyVe
 
 
 def generate_switching(engine, requests: list[GenerationRequest], contract: SamplingContract,
-                       version: PolicyVersion, switch: Switch) -> list[RolloutSample]:
-    """Every requested candidate, in request then candidate order, with its segments."""
+                       version: PolicyVersion, switch: Switch, stream=None) -> list[RolloutSample]:
+    """Every requested candidate, in request then candidate order, with its segments.
+    `stream(samples)`: the samples that finished at a decode step, equal to those returned.
+    With rollout.max_rows (engine.max_rows) the rows run in waves of at most that many, each
+    starting from `version` and switching on its own schedule."""
     started = time.perf_counter()
-    snap = engine.serving(version)
     engine.check_requests(requests)
     rows = [(req, cand) for req in requests for cand in req.candidates]
+    bound = engine.max_rows or len(rows) or 1
+    out: list[RolloutSample] = []
+    for a in range(0, len(rows), bound):
+        out += _segmented(engine, rows[a:a + bound], contract, version, switch, started, stream)
+    return out
+
+
+def _segmented(engine, rows: list[tuple], contract: SamplingContract, version: PolicyVersion, switch: Switch,
+               started: float, stream) -> list[RolloutSample]:
+    """`rows` ((request, candidate), ...) decoded in one loop from `version`, segment by segment."""
+    snap = engine.serving(version)
     seeds = [candidate_seed(req.seed, cand) for req, cand in rows]
     stops = StopChecker(engine.tokenizer, contract.stop)
     out = RowOutputs.empty(len(rows))
     segments = [[(0, snap.version)] for _ in rows]
     running, start, first = list(range(len(rows))), None, 0
     prefixes = [req.prompt_ids for req, _ in rows]
+    filtered = contract.filtered
+
+    def sample(i: int, reason, finish_s: float) -> RolloutSample:
+        req, cand = rows[i]
+        return RolloutSample(sample_id(req.group_id, cand), req.group_id, cand, req.prompt_ids,
+                             tuple(out.tokens[i]), tuple(out.log_probs[i]),
+                             tuple(out.filtered_log_probs[i]) if filtered else None, reason,
+                             segments[i][0][1], seeds[i], finish_s, segments=tuple(segments[i]))
     with torch.inference_mode():
         while running:
             distinct = list(dict.fromkeys(prefixes[r] for r in running))
@@ -93,10 +114,13 @@ def generate_switching(engine, requests: list[GenerationRequest], contract: Samp
                 if nxt is not None and nxt != snap.version:
                     asked.append(nxt)
                 return bool(asked)
+
+            def finished(stopped: list[int], sub: RowOutputs, running=running) -> None:   # final (loop.py)
+                stream([sample(running[j], sub.reasons[j], sub.finish_s[j]) for j in stopped])
             sub = _rows(out, running)
             decode_loop(snap.held, distinct, [where[prefixes[r]] for r in running], [seeds[r] for r in running],
                         contract, engine.device, engine.eos_ids, stops, started, start=start, first_step=first,
-                        out=sub, interrupt=interrupt)
+                        out=sub, interrupt=interrupt, on_step=None if stream is None else finished)
             for j, r in enumerate(running):   # the token lists are shared; the per-row scalars come back
                 out.reasons[r], out.finish_s[r] = sub.reasons[j], sub.finish_s[j]
             running = [r for r in running if out.reasons[r] is None]
@@ -107,12 +131,7 @@ def generate_switching(engine, requests: list[GenerationRequest], contract: Samp
             for r in running:
                 prefixes[r] = rows[r][0].prompt_ids + tuple(out.tokens[r])
                 segments[r].append((first, snap.version))
-    filtered = contract.filtered
-    return [RolloutSample(sample_id(req.group_id, cand), req.group_id, cand, req.prompt_ids,
-                          tuple(out.tokens[i]), tuple(out.log_probs[i]),
-                          tuple(out.filtered_log_probs[i]) if filtered else None, out.reasons[i],
-                          segments[i][0][1], seeds[i], out.finish_s[i], segments=tuple(segments[i]))
-            for i, (req, cand) in enumerate(rows)]
+    return [sample(i, out.reasons[i], out.finish_s[i]) for i in range(len(rows))]
 
 
 def _rows(out: RowOutputs, rows: list[int]) -> RowOutputs:

@@ -74,10 +74,10 @@ CLIENTS = {
         retained_versions=True, loads_while_generating=True, lora_adapters=True)),
 }
 
-# rollout.partial=switch: generate goes through rollout/switching.py, one decode loop whose
-# segments neither hand finished rows on, bound the rows, nor play episodes
+# rollout.partial=switch: generate goes through rollout/switching.py, a decode loop (a wave of at
+# most rollout.max_rows rows at a time) that hands finished rows on but does not play episodes
 SWITCHING = ClientKind("the switching generation (rollout/switching.py)", Capabilities(
-    streams_finished_rows=False, switches_versions=True, multi_turn=False, bounded_rows=False,
+    streams_finished_rows=True, switches_versions=True, multi_turn=False, bounded_rows=True,
     retained_versions=True, loads_while_generating=True, lora_adapters=True))
 
 
@@ -194,10 +194,11 @@ class RolloutClient(Protocol):
 
     def generate_switching(self, requests: list[GenerationRequest], contract: SamplingContract,
                            version: PolicyVersion, plan: dict | None = None,
-                           resolve: Callable | None = None) -> list[RolloutSample]:
+                           resolve: Callable | None = None, stream: Callable | None = None) -> list[RolloutSample]:
         """switches_versions: rows move to a version activated meanwhile (plan None) or at a
         replay's recorded tokens (plan: first token -> key; resolve(key) -> the version, in this
-        process; without resolve the keys are versions, waited for where the client runs)."""
+        process; without resolve the keys are versions, waited for where the client runs).
+        `stream` as for generate."""
 
     def retain(self, versions: int) -> None:
         """retained_versions (for versions > 1): keep serving the last `versions` activations."""

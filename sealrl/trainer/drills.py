@@ -89,8 +89,8 @@ class _Rollout:
         kw = {} if stream is None else {"stream": stream}   # reward.stream's hook passes through
         return _deliver("generate", it, lambda: self.inner.generate(requests, contract, version, **kw))
 
-    def generate_switching(self, requests, contract, version, plan=None, resolve=None):
-        return self.inner.generate_switching(requests, contract, version, plan, resolve)
+    def generate_switching(self, requests, contract, version, plan=None, resolve=None, stream=None):
+        return self.inner.generate_switching(requests, contract, version, plan, resolve, stream=stream)
 
     def load(self, state, manifest):
         if faults.point("weight_sync", self.clock.publishing) == "corrupt":

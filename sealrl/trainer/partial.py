@@ -21,14 +21,14 @@ import torch
 from sealrl.experience import ExperienceBatch, Role, pad_token_rows
 from sealrl.experience.wire import RolloutSample
 from sealrl.rollout.switching import token_steps
-from sealrl.seams.rollout import MissingCapability, switching
+from sealrl.seams.rollout import switching
 
 
 class SwitchingRollout:
     """The lane's rollout client for one iteration (seams/rollout.py): generate switches versions
     on publications (`plan` None) or at a replay's recorded tokens (rollout/switching.py, where
     the client runs); every other member is the wrapped client's. Its capabilities are the
-    wrapped client's, switching (no stream of finished rows, no bounded rows, no episodes)."""
+    wrapped client's, switching (no episodes)."""
 
     def __init__(self, rollout, plan: dict | None, resolve) -> None:
         self._rollout, self._plan, self._resolve = rollout, plan, resolve
@@ -43,12 +43,12 @@ class SwitchingRollout:
         return self._rollout.backend
 
     def generate(self, requests, contract, version, stream=None) -> list[RolloutSample]:
-        if stream is not None:
-            raise MissingCapability(self, "streams_finished_rows")
-        return self._rollout.generate_switching(requests, contract, version, self._plan, self._resolve)
+        return self._rollout.generate_switching(requests, contract, version, self._plan, self._resolve,
+                                                stream=stream)
 
-    def generate_switching(self, requests, contract, version, plan=None, resolve=None) -> list[RolloutSample]:
-        return self._rollout.generate_switching(requests, contract, version, plan, resolve)
+    def generate_switching(self, requests, contract, version, plan=None, resolve=None,
+                           stream=None) -> list[RolloutSample]:
+        return self._rollout.generate_switching(requests, contract, version, plan, resolve, stream=stream)
 
     def load(self, state, manifest):
         return self._rollout.load(state, manifest)
