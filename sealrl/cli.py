@@ -56,7 +56,7 @@ def _train(args) -> int:
 
 def _eval(args) -> int:
     from sealrl.config import MissingInputError, load_config
-    from sealrl.trainer.eval_cli import evaluate_path
+    from sealrl.trainer.offline.eval_cli import evaluate_path
     path = Path(args.path)
     if not path.exists():
         raise MissingInputError(f"{path} does not exist")
@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     e.set_defaults(fn=_eval)
     from sealrl.audit import add_parser as add_audit
     from sealrl.obs.report import add_parser as add_report
-    from sealrl.trainer.recompute import add_parser as add_recompute
-    from sealrl.trainer.replay import add_parser as add_replay
+    from sealrl.trainer.offline.recompute import add_parser as add_recompute
+    from sealrl.trainer.offline.replay import add_parser as add_replay
     for add in (add_audit, add_report, add_recompute, add_replay):
         add(sub)
     args = parser.parse_args(argv)

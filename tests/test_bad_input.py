@@ -203,7 +203,7 @@ def test_user_facing_errors_are_user_errors():
     from sealrl.config import MissingInputError
     from sealrl.models.hf import TokenizerMismatchError
     from sealrl.sync.manifest import WeightSyncError
-    from sealrl.trainer.checkpoint import CheckpointError
+    from sealrl.trainer.resume.checkpoint import CheckpointError
     for cls in (ConfigError, MissingInputError, DatasetError, DataFileError, CheckpointError, WeightSyncError,
                 TokenizerMismatchError):
         assert issubclass(cls, UserError), cls

@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from sealrl.trainer.checkpoint import (
+from sealrl.trainer.resume.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,

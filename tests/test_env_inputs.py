@@ -1,6 +1,6 @@
 """Every episode starts from its dataset row, whichever stage made the request: the first
-round of an iteration, DAPO's further rounds (trainer/dynamic.py) and ReMax's greedy baselines
-(trainer/remax.py) all build their requests with the row (ledger.new_iteration, remax._greedy)."""
+round of an iteration, DAPO's further rounds (trainer/variants/dynamic.py) and ReMax's greedy baselines
+(trainer/variants/remax.py) all build their requests with the row (ledger.new_iteration, remax._greedy)."""
 from __future__ import annotations
 
 import json

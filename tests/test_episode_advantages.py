@@ -20,7 +20,7 @@ from sealrl.experience import (
 from sealrl.experience.episode import EnvStatus, EpisodeRecord, TurnRecord
 from sealrl.experience.store import read_iteration, write_iteration
 from sealrl.trainer.derive import derive
-from sealrl.trainer.episodes import action_masks, episode_metrics, put_episode_facts
+from sealrl.trainer.variants.episodes import action_masks, episode_metrics, put_episode_facts
 
 V = PolicyVersion("run", 0, 0, "w", "t", "c")
 

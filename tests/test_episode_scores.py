@@ -8,7 +8,7 @@ import pytest
 from sealrl.config import AlgorithmConfig
 from sealrl.experience import RewardRecord
 from sealrl.trainer.derive import derive
-from sealrl.trainer.dynamic import zero_variance
+from sealrl.trainer.variants.dynamic import zero_variance
 from tests.test_episode_advantages import batch_of, episode
 
 SOFT = AlgorithmConfig(name="grpo", overlong="soft", overlong_buffer=2, overlong_penalty=1.0)

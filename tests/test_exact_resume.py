@@ -1,8 +1,8 @@
-"""Exact resume of an asynchronous run (trainer/retained.py): a k >= 1 run killed at any stage of
+"""Exact resume of an asynchronous run (trainer/resume/retained.py): a k >= 1 run killed at any stage of
 the pipeline and resumed with run.resume=auto gives bitwise the weights of the run never
 interrupted, trains the same prompts per iteration with nothing lost or doubled (audit), and
 does not write twice the experience it had sealed before the crash. A replay from the schedule
-in the sealed records (trainer/replay.py) reproduces a k = 1 and a k = 2 run bitwise, and
+in the sealed records (trainer/offline/replay.py) reproduces a k = 1 and a k = 2 run bitwise, and
 names the iteration of a record whose schedule was edited."""
 import json
 import shutil
@@ -17,7 +17,7 @@ from sealrl.cli import main
 from sealrl.experience.store import read_iteration
 from sealrl.trainer import driver as driver_module
 from sealrl.trainer import pipeline as pipeline_module
-from sealrl.trainer.replay import ReplayMismatch, ScheduleError, recorded_schedule, replay
+from sealrl.trainer.offline.replay import ReplayMismatch, ScheduleError, recorded_schedule, replay
 from tests.test_audit import _iter, _reseal, _rewrite
 from tests.test_pipeline import _numbers, _train
 

@@ -11,8 +11,8 @@ from sealrl.config import build_config
 from sealrl.experience.store import read_iteration
 from sealrl.models.logprobs import response_log_probs
 from sealrl.sync.manifest import build_manifest
-from sealrl.trainer.checkpoint import load_checkpoint, verify_checkpoint
 from sealrl.trainer.driver import train
+from sealrl.trainer.resume.checkpoint import load_checkpoint, verify_checkpoint
 
 pytestmark = pytest.mark.slow   # a 2-iteration run of the embedded model (~15 s on one core)
 

@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 from sealrl.audit import audit_run
 from sealrl.config import EMBEDDED_MODEL, build_config
 from sealrl.models.hf import load_causal_lm, save_causal_lm
-from sealrl.trainer.checkpoint import CheckpointError
 from sealrl.trainer.driver import train
+from sealrl.trainer.resume.checkpoint import CheckpointError
 from tests.helpers_resume import learned_metrics, straight_and_resumed
 
 ARGS = ["run.name=r", "run.iterations=6", "run.checkpoint_every=1",

@@ -1,4 +1,4 @@
-"""Partial rollouts (rollout.partial=switch, rollout/switching.py, trainer/partial.py): a row in
+"""Partial rollouts (rollout.partial=switch, rollout/switching.py, trainer/variants/partial.py): a row in
 flight when a version is published goes on under it from its next token, re-prefilled (never the
 old version's KV cache); every token records its version; staleness counts from the oldest one
 (admission, audit); a replay follows the recorded switches bitwise."""
@@ -26,8 +26,8 @@ from sealrl.trainer import driver as driver_module
 from sealrl.trainer import setup as trainer_setup
 from sealrl.trainer.driver import train
 from sealrl.trainer.ledger import new_iteration
+from sealrl.trainer.offline.replay import recorded_schedule, replay
 from sealrl.trainer.pipeline import Produced, admit
-from sealrl.trainer.replay import recorded_schedule, replay
 from tests.helpers_partial import HeldRollout
 from tests.test_audit import _iter, _reseal, _rewrite
 from tests.test_pipeline import _train
@@ -343,7 +343,7 @@ def test_switch_in_waves_of_bounded_rows_switches_each_wave_and_replays(switch_r
 def test_streamed_scoring_of_a_switch_run_is_bitwise_the_unstreamed(switch_run, tmp_path, monkeypatch):
     """reward.stream with rollout.partial=switch: rows that finish in any segment go to the
     scorers while the others decode; the sealed experience and weights are the inline run's."""
-    from sealrl.trainer.streaming import EarlyScores
+    from sealrl.trainer.variants.streaming import EarlyScores
     from tests.test_pipeline import _files
     takes, real_take = [], EarlyScores.take
 
@@ -370,7 +370,6 @@ def test_switch_on_two_ray_replicas_is_bitwise_the_thread_lane_and_replays(switc
     one-process run; its record replays on the pool (every replica waits for the recorded
     versions there), bitwise."""
     pytest.importorskip("ray", reason="placement.backend=ray needs ray (the test extra)")
-    from tests.test_pipeline import _files
     ray = ["placement.backend=ray", "placement.rollout_replicas=2", "placement.num_cpus=2",
            "placement.cpus_per_replica=0.5", "placement.timeout_s=120"]
     monkeypatch.setattr(trainer_setup, "Rollout", HeldRollout)   # pickled by name into each replica

@@ -1,5 +1,5 @@
 """rollout.lane=process: generation in its own process (placement/process_rollout.py,
-trainer/process_lane.py). The fixed-lag schedule is the thread lane's, so a run is bitwise the
+trainer/variants/process_lane.py). The fixed-lag schedule is the thread lane's, so a run is bitwise the
 same (k = 1; and k = 0 through the lane is the synchronous run); weights reach the process
 through the verified sync and load while it samples; a process that dies or hangs is a named
 error in the training lane, never a wait without end."""

@@ -14,7 +14,7 @@ import torch
 from sealrl.config import ConfigError, build_config
 from sealrl.experience.store import read_iteration, read_table
 from sealrl.trainer.driver import train
-from sealrl.trainer.recompute import add_parser, recompute_run
+from sealrl.trainer.offline.recompute import add_parser, recompute_run
 
 BASE = ["run.iterations=2", "data.num_train=48", "eval.num=8", "run.loggers=",
         "data.prompts_per_iter=4", "rollout.n=4", "rollout.max_new_tokens=5", "actor.micro_batch_size=6",

@@ -6,8 +6,8 @@ from safetensors.torch import load_file
 
 from sealrl.audit import audit_run
 from sealrl.config import build_config
-from sealrl.trainer.checkpoint import CheckpointError
 from sealrl.trainer.driver import train
+from sealrl.trainer.resume.checkpoint import CheckpointError
 from tests.helpers_resume import learned_metrics, straight_and_resumed
 
 ARGS = ["run.name=r", "run.iterations=6", "run.checkpoint_every=1",

@@ -22,9 +22,10 @@ from sealrl.rewards.verifiers import ArithmeticExactMatch
 from sealrl.roles.rollout import Rollout
 from sealrl.rollout.engine import RolloutEngine
 from sealrl.sync.manifest import build_manifest
-from sealrl.trainer import position, setup
-from sealrl.trainer.checkpoint import CheckpointError, verify_checkpoint
+from sealrl.trainer import setup
 from sealrl.trainer.driver import train
+from sealrl.trainer.resume import position
+from sealrl.trainer.resume.checkpoint import CheckpointError, verify_checkpoint
 
 TINY = ["run.name=t", "run.threads=1", "run.loggers=", "data.num_train=16",
         "eval.num=2", "data.prompts_per_iter=2", "rollout.n=2", "rollout.max_new_tokens=2",

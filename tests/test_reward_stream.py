@@ -1,4 +1,4 @@
-"""reward.stream (trainer/streaming.py, RewardPool.stream): samples are scored as the rollout
+"""reward.stream (trainer/variants/streaming.py, RewardPool.stream): samples are scored as the rollout
 finishes them, and the iteration's records, sealed experience, metrics and weights are those of
 the unstreamed run, whatever order samples finished and were scored in; reward errors stay
 error records."""
@@ -20,7 +20,7 @@ from sealrl.rewards.base import RewardSample
 from sealrl.rewards.pool import RewardPool
 from sealrl.trainer.driver import train
 from sealrl.trainer.iteration_metrics import is_wall_clock
-from sealrl.trainer.streaming import EarlyScores
+from sealrl.trainer.variants.streaming import EarlyScores
 from tests.test_rewards_pool import Misbehave
 from tests.test_rollout_engine import encode, make_engine
 

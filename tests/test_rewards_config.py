@@ -357,8 +357,8 @@ def test_cli_names_a_missing_function_in_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_an_edited_reward_file_refuses_a_resume(tmp_path, monkeypatch):
-    from sealrl.trainer.checkpoint import CheckpointError
     from sealrl.trainer.driver import train
+    from sealrl.trainer.resume.checkpoint import CheckpointError
     (tmp_path / "reward.py").write_text(VERL_REWARD)
     monkeypatch.chdir(tmp_path)
     yaml_path = _write_yaml(tmp_path, {"fn": "reward.py:compute_score"})

@@ -423,7 +423,7 @@ def test_a_declared_capability_works_and_an_undeclared_one_is_refused(capability
 def test_the_wrappers_pass_the_protocol_and_their_capabilities_through(objects):
     from sealrl.seams.rollout import switching
     from sealrl.trainer.drills import _Clock, _Rollout
-    from sealrl.trainer.partial import SwitchingRollout
+    from sealrl.trainer.variants.partial import SwitchingRollout
     model, tok, (state, v0), _, requests = objects
     inner = Rollout(model, tok)
     wrapped = SwitchingRollout(_Rollout(inner, _Clock(0)), None, None)

@@ -13,8 +13,8 @@ import pytest
 from sealrl import faults
 from sealrl.cli import main
 from sealrl.obs.timeline import StageTimer
-from sealrl.trainer.checkpoint import CheckpointError, prune_checkpoints, resume_checkpoint, save_checkpoint
-from sealrl.trainer.position import forget_after
+from sealrl.trainer.resume.checkpoint import CheckpointError, prune_checkpoints, resume_checkpoint, save_checkpoint
+from sealrl.trainer.resume.position import forget_after
 from tests.test_pipeline import BASE
 
 

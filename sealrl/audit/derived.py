@@ -2,7 +2,7 @@
 
 derived  scores, shaped token rewards, advantages and returns are derived fields, outside the
          seal digest (DESIGN section 3): the audit derives them again from the sealed facts with
-         the run's own config, by the driver's own function (trainer/recompute.rederived), and
+         the run's own config, by the driver's own function (trainer/offline/recompute.rederived), and
          names each row and field whose stored value differs. A negated advantage is caught here.
 chain    every checkpoint commits the seal digest of each iteration consumed before it
          (state.json's `sealed`, covered by the checkpoint's checksums, and each line of
@@ -27,7 +27,7 @@ DERIVED = ("scores", "token_rewards", "advantages", "returns")
 
 
 def check_derived(run: RunFolder) -> Iterator[Violation]:
-    from sealrl.trainer.recompute import rederived
+    from sealrl.trainer.offline.recompute import rederived
     files = [f for f in run.files if f.readable]
     if not files or [f.iteration for f in files] != list(range(len(files))):
         return   # a missing or unreadable iteration is the seal and used_once checks' finding

@@ -166,7 +166,7 @@ def check_config(cfg: Config) -> None:
     if cfg.rollout.partial == "switch" and not cfg.rollout.max_staleness:   # rollout/switching.py, docs/async.md
         raise ConfigError("rollout.partial=switch needs rollout.max_staleness >= 1 (at 0 nothing is published while "
                           "generating)", "rollout.partial")
-    if cfg.reward.stream and not cfg.reward.num_scorers:   # trainer/streaming.py
+    if cfg.reward.stream and not cfg.reward.num_scorers:   # trainer/variants/streaming.py
         raise ConfigError("reward.stream needs reward.num_scorers >= 1 (inline scoring would run between decode "
                           f"steps: nothing overlaps), got {cfg.reward.num_scorers}", "reward.stream")
     for key, reason in rollout_seam.refusals(cfg):   # what the selected rollout client cannot do

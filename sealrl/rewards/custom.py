@@ -101,7 +101,7 @@ def load_function(spec: str, key: str) -> tuple[Callable, str | None, str]:
 class CustomReward:
     """A user function as a RewardFunction. `name` is the spec as written in the config (it is
     stamped on every record and named in every error); `version` hashes the function's file, so
-    an edited reward file refuses a resume (sealrl.trainer.position)."""
+    an edited reward file refuses a resume (sealrl.trainer.resume.position)."""
 
     def __init__(self, spec: str, key: str = "reward.fn") -> None:
         self._fn, self.source, where = load_function(spec, key)

@@ -4,7 +4,7 @@ client can do, as data (DESIGN section 11; docs/architecture.md, "The rollout se
 Clients: the in-process engine (`roles/rollout.Rollout`), the generation process
 (`placement/process_rollout.ProcessRollout`, rollout.lane=process) and the Ray replica pool
 (`placement/rollout_pool.RolloutPool`, placement.backend=ray). Two wrappers pass the protocol
-through: `trainer/partial.SwitchingRollout` (rollout.partial=switch) and the fault-drill
+through: `trainer/variants/partial.SwitchingRollout` (rollout.partial=switch) and the fault-drill
 wrapper (`trainer/drills.py`). The wire they speak is `experience/wire.py`.
 
 The config selects a client kind (`selected_client`); check_config (config/loading.py) refuses

@@ -20,7 +20,7 @@ def generate(run, ledger: IterationLedger, requests: dict[str, GenerationRequest
              ) -> dict[str, list[RolloutSample]]:
     """Complete groups of the iteration, by group id. Completion times (`finish_s`) count from
     the stage's start, so a regenerated candidate completes as late as it really did. `early`:
-    reward.stream's EarlyScores (trainer/streaming.py), handed every sample as it finishes."""
+    reward.stream's EarlyScores (trainer/variants/streaming.py), handed every sample as it finishes."""
     start, late, pending = time.perf_counter(), [], list(requests.values())
     stream = {} if early is None else {"stream": early.add}
     ledger.expect_samples(requests)

@@ -26,23 +26,23 @@ from sealrl.trainer.inputs import check_inputs, write_dropped_rows
 from sealrl.trainer.iteration_metrics import perf_metrics, share_metrics
 from sealrl.trainer.memory import hold_freed_memory
 from sealrl.trainer.pipeline import admit, pipeline, staleness_metrics
-from sealrl.trainer.position import forget_after, forget_sealed_after, restore_position, save_position
 from sealrl.trainer.prepare import append_lines, build_batch, prepare, seal
 from sealrl.trainer.quarantine import quarantine
 from sealrl.trainer.record import record
-from sealrl.trainer.remax import put_baselines
-from sealrl.trainer.retained import recall
+from sealrl.trainer.resume.position import forget_after, forget_sealed_after, restore_position, save_position
+from sealrl.trainer.resume.retained import recall
 from sealrl.trainer.setup import Run
 from sealrl.trainer.state import Phase, StageFailed, committed_id
 from sealrl.trainer.stopping import graceful_stop
 from sealrl.trainer.update import update
+from sealrl.trainer.variants.remax import put_baselines
 from sealrl.trainer.watchdog import record_failure, watch_ray_head
 
 
 def train(cfg: Config, schedule: dict[int, int] | None = None) -> dict:
     """Run (or resume) a training run; returns the summary also written to summary.json.
     Scorer processes are closed and torch's thread count restored however the run ends.
-    `schedule` (a replay's, trainer/replay.py): iteration -> the iteration whose consuming
+    `schedule` (a replay's, trainer/offline/replay.py): iteration -> the iteration whose consuming
     version samples it, instead of the fixed lag."""
     check_inputs(cfg)   # paths and config rules, before anything is loaded or written
     threads = torch.get_num_threads()

@@ -12,13 +12,12 @@ import torch
 from sealrl.experience import ExperienceBatch, RewardRecord, Role, SampleMeta, pad_token_rows
 from sealrl.experience.store import iteration_path, write_iteration
 from sealrl.experience.wire import RolloutSample
-from sealrl.roles.common import batch_sum_pi_squared
 from sealrl.trainer.derive import derive
-from sealrl.trainer.episodes import action_masks, put_episode_facts
 from sealrl.trainer.ledger import IterationLedger
-from sealrl.trainer.partial import put_token_versions, span_versions
-from sealrl.trainer.position import sealed_before
+from sealrl.trainer.resume.position import sealed_before
 from sealrl.trainer.update import update_seed
+from sealrl.trainer.variants.episodes import action_masks, put_episode_facts
+from sealrl.trainer.variants.partial import put_token_versions, span_versions
 
 
 def build_batch(run, it: int, kept: dict[str, list[RolloutSample]], records: dict[str, RewardRecord],
@@ -73,11 +72,7 @@ def prepare(run, batch: ExperienceBatch, version, it: int) -> dict:
             roles.actor.compute_old_log_probs(batch, version, fuse)
         else:  # bypass: the behaviour log-probs are the proximal anchor
             batch.put("old_log_probs", batch.get("rollout_log_probs").clone(), Role.ROLLOUT, version.id)
-    if run.cfg.algorithm.name == "optimal_token_baseline":
-        with run.stage("sum_pi_squared", "actor"):
-            sq = batch_sum_pi_squared(roles.actor.model, batch, run.cfg.rollout.temperature,
-                                      roles.tokenizer.pad_token_id, roles.actor.tf)
-            batch.put("sum_pi_squared", sq, Role.ACTOR, version.id)
+    run.variants.extra_facts(run, batch, version)   # the optimal-token baseline's sum of pi^2 (trainer/variants)
     return metrics if early else advantages(run, batch, it)
 
 

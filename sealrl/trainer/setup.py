@@ -38,6 +38,8 @@ from sealrl.seams.rollout import RolloutClient
 from sealrl.sync.manifest import build_manifest
 from sealrl.trainer import adapters
 from sealrl.trainer.state import Phase, StateMachine
+from sealrl.trainer.variants import Variants
+from sealrl.trainer.variants import select as select_variants
 from sealrl.trainer.watchdog import Watchdog
 
 # ---- run folder ---------------------------------------------------------------------------
@@ -418,6 +420,7 @@ class Run:
     sm: StateMachine
     timer: StageTimer
     watchdog: Watchdog
+    variants: Variants = field(default_factory=Variants)   # the iteration's hooks, chosen once (trainer/variants)
     sync_bytes: int = 0   # bytes the last weight sync moved (sync/bytes)
     last_weights: dict | None = None   # what the last weight sync published, kept if max_staleness > 0
 
@@ -445,4 +448,5 @@ def build_run(cfg: Config, run_dir: Path, roles: Roles, data: Data) -> Run:
                                 n=r.n, seed=cfg.run.seed)
     return Run(cfg, run_dir, roles, data, build_sampler(cfg, data), kl_ctl, contract,
                StateMachine(max_staleness=r.max_staleness),
-               StageTimer(run_dir / "trace.json", roles.workers()), Watchdog(cfg.run.stage_timeout_s, run_dir))
+               StageTimer(run_dir / "trace.json", roles.workers()), Watchdog(cfg.run.stage_timeout_s, run_dir),
+               select_variants(cfg))

@@ -90,7 +90,7 @@ class StateMachine:
 
     def recall(self, versions: list[str]) -> None:
         """Resume of an asynchronous run: versions activated before the checkpoint that the
-        generation lane still samples from (re-loaded from it, trainer/retained.py), oldest
+        generation lane still samples from (re-loaded from it, trainer/resume/retained.py), oldest
         first; the version published next becomes the active one after them."""
         self.recent.extend(versions)
 

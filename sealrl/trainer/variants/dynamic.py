@@ -17,9 +17,9 @@ from sealrl.experience import RewardRecord
 from sealrl.experience.wire import RolloutSample
 from sealrl.trainer.collect import decode_and_score, generate
 from sealrl.trainer.derive import training_scores
-from sealrl.trainer.episodes import action_masks
 from sealrl.trainer.ledger import IterationLedger, new_iteration
 from sealrl.trainer.state import StageFailed
+from sealrl.trainer.variants.episodes import action_masks
 
 
 def zero_variance(samples: list[RolloutSample], records: dict[str, RewardRecord], algo, max_new_tokens: int

@@ -9,9 +9,9 @@ from sealrl.models.lora import apply_lora, load_trainable_state, merged_model
 from sealrl.roles.rollout import Rollout
 from sealrl.sync.manifest import build_manifest
 from sealrl.trainer import setup
-from sealrl.trainer.checkpoint import latest_checkpoint
 from sealrl.trainer.evaluate import evaluate
-from sealrl.trainer.position import checkpoint_model_state
+from sealrl.trainer.resume.checkpoint import latest_checkpoint
+from sealrl.trainer.resume.position import checkpoint_model_state
 
 
 def evaluate_path(path: Path, cfg: Config, num: int | None, pass_k: int) -> dict:

@@ -21,7 +21,7 @@ from sealrl.experience.ids import PolicyVersion
 from sealrl.models.lora import adapter_scaling
 from sealrl.sync.adapter import build_adapter_manifest
 from sealrl.sync.manifest import build_manifest
-from sealrl.trainer.checkpoint import CheckpointError
+from sealrl.trainer.resume.checkpoint import CheckpointError
 
 
 def lane_position(retained: dict, actor) -> tuple[dict, dict]:

@@ -15,7 +15,7 @@ import torch
 from sealrl.placement.process_rollout import GenerationProcessError, ProcessRollout
 from sealrl.sync.adapter import rollout_copy
 from sealrl.trainer.adapters import pinned_base
-from sealrl.trainer.retained import version_manifest
+from sealrl.trainer.resume.retained import version_manifest
 
 
 class ProcessLane:

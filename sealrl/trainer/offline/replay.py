@@ -29,7 +29,7 @@ from pathlib import Path
 
 from sealrl.config import MissingInputError, UserError, load_config
 from sealrl.experience.store import iteration_path, read_consumed, read_iteration
-from sealrl.trainer.partial import recorded_plan
+from sealrl.trainer.variants.partial import recorded_plan
 
 
 class ScheduleError(UserError):
@@ -78,7 +78,7 @@ def recorded_schedule(run_dir: Path, iterations: int, bound: int) -> "RecordedSc
 
 class RecordedSchedule(dict):
     """iteration -> source iteration, and `switches`: iteration -> {first token: the iteration
-    whose consuming version sampled from that token on} (partial rollouts, trainer/partial.py)."""
+    whose consuming version sampled from that token on} (partial rollouts, trainer/variants/partial.py)."""
 
     def __init__(self) -> None:
         super().__init__()

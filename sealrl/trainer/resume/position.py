@@ -20,7 +20,7 @@ from sealrl.models.hf import model_config_hash, tokenizer_hash
 from sealrl.models.lora import checkpoint_exports, load_trainable_state, trainable_state
 from sealrl.rewards.base import reward_identity
 from sealrl.trainer.adapters import base_hash
-from sealrl.trainer.checkpoint import (
+from sealrl.trainer.resume.checkpoint import (
     CheckpointError,
     fsync_file,
     load_checkpoint,
@@ -32,7 +32,7 @@ from sealrl.trainer.checkpoint import (
     rng_to_flat,
     save_checkpoint,
 )
-from sealrl.trainer.retained import lane_position
+from sealrl.trainer.resume.retained import lane_position
 
 # Keys that may change between a run and its resumption: those the config declares resumable.
 RESUMABLE_KEYS = resumable_keys()
