@@ -60,8 +60,8 @@ def async_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("async_runs")
     real = Rollout.generate
 
-    def slow(self, *args, **kwargs):
-        time.sleep(0.3)
+    def slow(self, *args, **kwargs):   # well past an update, even on a loaded machine
+        time.sleep(1.0)
         return real(self, *args, **kwargs)
     made = {}
     with pytest.MonkeyPatch.context() as mp:
