@@ -82,3 +82,25 @@ def test_checksum_is_over_bytes_not_layout():
     t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     assert tensor_sha256(t.t().contiguous().t()) == tensor_sha256(t)  # same values, other strides
     assert tensor_sha256(t.t()) != tensor_sha256(t)  # a transposed tensor is other values
+
+
+def test_a_large_set_is_hashed_in_threads_to_the_same_digests_and_names_the_first_bad_tensor(monkeypatch):
+    """Past PARALLEL_BYTES the checksums run in a thread pool: the digests are the one-thread
+    ones, in order, and verification still names the first bad tensor in name order."""
+    import sealrl.sync.manifest as manifest
+    state = {f"w{i}": torch.randn(1 << 20, generator=torch.Generator().manual_seed(i)) for i in range(6)}  # 24 MiB
+    assert sum(t.numel() * 4 for t in state.values()) >= manifest.PARALLEL_BYTES
+    tensors = [state[n] for n in sorted(state)]
+    used = []
+    real_pool = manifest.ThreadPoolExecutor
+    monkeypatch.setattr(manifest, "ThreadPoolExecutor", lambda *a, **k: used.append(a) or real_pool(*a, **k))
+    monkeypatch.setattr(manifest.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert manifest.checksums(tensors) == [tensor_sha256(t) for t in tensors]
+    assert used   # the pool ran
+    m = build_manifest(state, "run", 1, 0, "tok", "cfg")
+    bad = dict(state)
+    for name in ("w4", "w2"):
+        bad[name] = state[name].clone()
+        bad[name][7] += 1.0
+    with pytest.raises(WeightSyncError, match=r"tensor .w2.: checksum"):
+        verify_weights(bad, m)
