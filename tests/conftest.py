@@ -26,7 +26,33 @@ def tiny_model_dir(tmp_path_factory):
     return str(path)
 
 
+# the contract suites: one protocol, every implementation (the rollout clients, the remote roles,
+# the layering of the package, verl's own functions as golden values)
+CONTRACT = {"test_rollout_conformance", "test_layers", "test_algos_verl", "test_algos_properties"}
+# files whose tests train runs through a helper of another file or the command line
+E2E = {"test_async_variants", "test_cluster", "test_exact_resume", "test_mismatch", "test_process_lane",
+       "test_reward_faults", "test_rewards_config"}
+
+
+def kind(module) -> str:
+    """unit | contract | e2e: a file in CONTRACT; a file whose tests train runs (in E2E, or it
+    imports the driver's `train` or the harness's `small_run`); else a unit test file."""
+    name = module.__name__.rpartition(".")[2]
+    if name in CONTRACT:
+        return "contract"
+    if name in E2E:
+        return "e2e"
+    from sealrl.trainer.driver import train
+    from tests.harness import small_run
+    trains = any(v is train or v is small_run for v in vars(module).values())
+    return "e2e" if trains else "unit"
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:   # `pytest -m unit | contract | e2e` selects one kind
+        module = getattr(item, "module", None)
+        if module is not None:
+            item.add_marker(kind(module))
     import torch
     if torch.cuda.is_available():
         return

@@ -13,11 +13,10 @@ from sealrl.models import lean_forward
 from sealrl.roles.actor import Actor
 from sealrl.trainer.driver import train
 from sealrl.trainer.iteration_metrics import is_wall_clock
+from tests.harness import small_args
 
-BASE = ["run.iterations=3", "data.num_train=48", "eval.num=4", "run.seed=3",
-        "data.prompts_per_iter=4", "rollout.n=4", "rollout.max_new_tokens=5", "actor.micro_batch_size=16",
-        "actor.lr=1e-3", "algorithm.old_log_prob=recompute", "algorithm.kl_coef=0.05", "algorithm.kl_in=loss",
-        "actor.entropy_coef=0.01"]
+BASE = small_args("run.iterations=3", "run.seed=3", "algorithm.old_log_prob=recompute", "algorithm.kl_coef=0.05",
+                  "algorithm.kl_in=loss", "actor.entropy_coef=0.01")
 
 
 def _run(tmp_path, name, fused: bool, monkeypatch, extra=()):

@@ -21,10 +21,9 @@ from sealrl.rewards.verifiers import answer_text
 from sealrl.trainer import driver as driver_module
 from sealrl.trainer import setup as trainer_setup
 from sealrl.trainer.driver import train
+from tests.harness import small_args
 
-BASE = ["run.iterations=3", "run.loggers=", "data.num_train=48", "eval.num=4",
-        "data.prompts_per_iter=4", "rollout.n=4", "rollout.max_new_tokens=5", "actor.micro_batch_size=16",
-        "actor.lr=1e-3", "run.seed=1"]
+BASE = small_args("run.iterations=3", "run.loggers=")
 
 FLAKY = ["reward.fn=tests.test_audit:flaky_arith"]   # a user reward function, from config
 RUNS = {

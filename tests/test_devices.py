@@ -24,6 +24,7 @@ from sealrl.roles.rollout import Rollout
 from sealrl.sync.manifest import WeightSyncError, in_dtype
 from sealrl.trainer.driver import train
 from sealrl.trainer.inputs import check_inputs
+from tests.harness import small_args
 from tests.test_models_packing import _actor, _update_grads
 from tests.test_placement_dp import V0, make_batch, make_model
 
@@ -98,9 +99,7 @@ def test_bf16_rollout_weights_are_checksummed_over_their_own_bytes():
     assert rollout.version.weights_hash == manifest16.version.weights_hash
 
 
-BASE = ["run.iterations=2", "run.loggers=", "data.num_train=32", "eval.num=4",
-        "data.prompts_per_iter=4", "rollout.n=4", "rollout.max_new_tokens=5", "actor.micro_batch_size=16",
-        "actor.lr=1e-3", "run.seed=1", "run.threads=1", "run.checkpoint_every=0"]
+BASE = small_args("run.loggers=", "data.num_train=32", "run.threads=1", "run.checkpoint_every=0")
 
 
 @pytest.mark.parametrize("algo", [["algorithm.kl_coef=0.05"], ["algorithm.name=ppo", "algorithm.kl_coef=0.05"]])

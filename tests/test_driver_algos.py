@@ -11,10 +11,9 @@ from sealrl.audit import audit_run
 from sealrl.config import build_config
 from sealrl.experience.store import read_iteration, read_table
 from sealrl.trainer.driver import train
+from tests.harness import small_args
 
-BASE = ["run.iterations=2", "data.num_train=48", "eval.num=8",
-        "data.prompts_per_iter=4", "rollout.n=4", "rollout.max_new_tokens=5", "actor.micro_batch_size=6",
-        "actor.lr=1e-3", "run.seed=1"]
+BASE = small_args("eval.num=8", "actor.micro_batch_size=6")
 
 CASES = {
     "grpo": [],

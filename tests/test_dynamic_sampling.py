@@ -10,12 +10,12 @@ from sealrl.audit import audit_run
 from sealrl.config import ConfigError, build_config, check_config
 from sealrl.experience.store import read_iteration
 from sealrl.trainer.driver import train
+from tests.harness import small_args
 
 # the warm-start model is sure of most arithmetic prompts (all right or all wrong): groups of 8
 # with zero variance are the common case, as late in the demo
-BASE = ["run.iterations=2", "data.num_train=48", "eval.num=8", "data.prompts_per_iter=4",
-        "rollout.n=8", "rollout.max_new_tokens=5", "actor.micro_batch_size=8", "actor.lr=1e-4", "run.seed=1",
-        "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=4"]
+BASE = small_args("eval.num=8", "rollout.n=8", "actor.micro_batch_size=8", "actor.lr=1e-4",
+                  "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=4")
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ from collections import Counter
 from sealrl.config import build_config
 from sealrl.envs.calc import CalcEnv
 from sealrl.trainer.driver import train
+from tests.harness import small_args
 
-BASE = ["run.iterations=2", "run.threads=1", "data.num_train=48", "eval.num=4",
-        "data.prompts_per_iter=4", "rollout.max_new_tokens=5", "actor.micro_batch_size=8", "run.seed=1",
-        f"env.name={__file__}:StrictCalc", "env.max_turns=2", "env.max_tokens=16"]
+BASE = small_args("run.threads=1", "actor.micro_batch_size=8", f"env.name={__file__}:StrictCalc", "env.max_turns=2",
+                  "env.max_tokens=16", "rollout.n=8", "actor.lr=1e-4")
 
 
 class StrictCalc(CalcEnv):

@@ -17,10 +17,11 @@ from sealrl.audit import audit_run
 from sealrl.config import build_config
 from sealrl.experience.store import iteration_path, read_table
 from sealrl.trainer.driver import train
+from tests.harness import small_args
 
-ARGS = ["run.name=f", "run.iterations=4", "run.checkpoint_every=1", "run.threads=1",
-        "data.num_train=40", "eval.num=4", "data.prompts_per_iter=3", "rollout.n=4", "rollout.max_new_tokens=5",
-        "actor.micro_batch_size=6", "actor.lr=1e-3", "algorithm.kl_coef=0.05", "actor.mini_batch_size=6"]
+ARGS = small_args("run.name=f", "run.iterations=4", "run.checkpoint_every=1", "run.threads=1", "data.num_train=40",
+                  "data.prompts_per_iter=3", "actor.micro_batch_size=6", "algorithm.kl_coef=0.05",
+                  "actor.mini_batch_size=6", "run.seed=0")
 
 
 @pytest.fixture(scope="module")

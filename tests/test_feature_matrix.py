@@ -16,6 +16,7 @@ from sealrl.audit import audit_run
 from sealrl.config import build_config
 from sealrl.experience.store import read_iteration
 from sealrl.trainer.driver import train
+from tests.harness import small_args
 
 ASYNC = ["rollout.max_staleness=1", "algorithm.old_log_prob=recompute", "algorithm.correction=token_is"]
 FEATURES = {
@@ -39,8 +40,7 @@ FEATURES = {
 RAY = ["placement.backend=ray", "placement.rollout_replicas=2", "placement.actor_ranks=2",
        "placement.dp_strategy=fsdp2", "placement.cpus_per_replica=0.5", "placement.cpus_per_rank=0.5",
        "placement.timeout_s=120"]
-BASE = ["run.iterations=2", "run.checkpoint_every=1", "data.num_train=64", "eval.num=8", "data.prompts_per_iter=4",
-        "rollout.n=4", "rollout.max_new_tokens=5", "actor.micro_batch_size=8"]
+BASE = small_args("run.checkpoint_every=1", "data.num_train=64", "eval.num=8", "actor.micro_batch_size=8")
 
 
 @pytest.fixture(scope="module")

@@ -26,11 +26,10 @@ from sealrl.trainer.driver import train
 from sealrl.trainer.ledger import new_iteration
 from sealrl.trainer.pipeline import Produced, admit, staleness, staleness_metrics
 from sealrl.trainer.state import IllegalTransition, Phase, StateMachine
+from tests.harness import small_args
 from tests.test_audit import _iter, _reseal, _rewrite
 
-BASE = ["run.iterations=4", "run.loggers=", "data.num_train=48", "eval.num=4",
-        "data.prompts_per_iter=4", "rollout.n=4", "rollout.max_new_tokens=5", "actor.micro_batch_size=16",
-        "actor.lr=1e-3", "run.seed=1", "run.threads=1", "run.checkpoint_every=2"]
+BASE = small_args("run.iterations=4", "run.loggers=", "run.threads=1", "run.checkpoint_every=2")
 
 
 def _train(out: Path, name: str, *extra: str) -> tuple[dict, Path]:

@@ -15,10 +15,9 @@ from sealrl.config import ConfigError, build_config
 from sealrl.experience.store import read_iteration, read_table
 from sealrl.trainer.driver import train
 from sealrl.trainer.offline.recompute import add_parser, recompute_run
+from tests.harness import small_args
 
-BASE = ["run.iterations=2", "data.num_train=48", "eval.num=8", "run.loggers=",
-        "data.prompts_per_iter=4", "rollout.n=4", "rollout.max_new_tokens=5", "actor.micro_batch_size=6",
-        "actor.lr=1e-3", "run.seed=1"]
+BASE = small_args("eval.num=8", "run.loggers=", "actor.micro_batch_size=6")
 RUNS = {
     "grpo": [],
     # seed 3: the first iteration has groups with mixed rewards, so the policy moves off the reference

@@ -26,10 +26,11 @@ from sealrl.trainer import setup
 from sealrl.trainer.driver import train
 from sealrl.trainer.resume import position
 from sealrl.trainer.resume.checkpoint import CheckpointError, verify_checkpoint
+from tests.harness import small_args
 
-TINY = ["run.name=t", "run.threads=1", "run.loggers=", "data.num_train=16",
-        "eval.num=2", "data.prompts_per_iter=2", "rollout.n=2", "rollout.max_new_tokens=2",
-        "actor.micro_batch_size=4"]
+TINY = small_args("run.name=t", "run.threads=1", "run.loggers=", "data.num_train=16", "eval.num=2",
+                  "data.prompts_per_iter=2", "rollout.n=2", "rollout.max_new_tokens=2", "actor.micro_batch_size=4",
+                  "actor.lr=1e-4", "run.seed=0")
 
 
 def test_a_run_without_checkpoint_keys_checkpoints_periodically(tmp_path):

@@ -22,6 +22,7 @@ import pytest  # already imported by workers through tests.test_rewards_pool
 
 from sealrl.rewards.base import RewardSample
 from sealrl.rewards.verifiers import ArithmeticExactMatch, answer_text
+from tests.harness import small_args
 from tests.test_rewards_pool import child_pids
 
 pytestmark = pytest.mark.slow   # fault drills through the driver
@@ -29,9 +30,9 @@ pytestmark = pytest.mark.slow   # fault drills through the driver
 # The deadline under test: a scorer call on a ready worker takes milliseconds; a slow call sleeps
 # 600 s. Deadlines start at dispatch, never while a replacement worker boots.
 TIMEOUT_S = 5.0
-ARGS = ["run.name=t", "run.iterations=4", "run.threads=1", "run.loggers=",
-        "data.num_train=40", "eval.num=4", "data.prompts_per_iter=3", "rollout.n=4", "rollout.max_new_tokens=5",
-        "actor.micro_batch_size=6", "actor.lr=1e-3", "algorithm.reward_error=penalty"]
+ARGS = small_args("run.name=t", "run.iterations=4", "run.threads=1", "run.loggers=", "data.num_train=40",
+                  "data.prompts_per_iter=3", "actor.micro_batch_size=6", "algorithm.reward_error=penalty",
+                  "run.seed=0")
 
 
 def slow(sample_id: str) -> bool:

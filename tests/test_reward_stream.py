@@ -21,6 +21,7 @@ from sealrl.rewards.pool import RewardPool
 from sealrl.trainer.driver import train
 from sealrl.trainer.iteration_metrics import is_wall_clock
 from sealrl.trainer.variants.streaming import EarlyScores
+from tests.harness import small_args
 from tests.test_rewards_pool import Misbehave
 from tests.test_rollout_engine import encode, make_engine
 
@@ -170,9 +171,7 @@ def score(response, ground_truth, sample_id):
         raise ValueError("no ones for candidate 3")
     return float(response.strip() == str(ground_truth))
 '''
-BASE = ["run.iterations=3", "run.loggers=", "data.num_train=48", "eval.num=4",
-        "data.prompts_per_iter=4", "rollout.n=4", "rollout.max_new_tokens=5", "actor.micro_batch_size=16",
-        "actor.lr=1e-3", "run.seed=1", "run.threads=1", "run.eval_every=0", "reward.num_scorers=2"]
+BASE = small_args("run.iterations=3", "run.loggers=", "run.threads=1", "run.eval_every=0", "reward.num_scorers=2")
 
 
 def _numbers(run: Path) -> list[list]:
