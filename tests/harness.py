@@ -3,8 +3,9 @@
 `SMALL`: the embedded warm start on the arithmetic task, 48 training rows, 4 held-out, two
 iterations of 4 prompts x 4 candidates of at most 5 tokens, one micro-batch of 16, lr 1e-3,
 seed 1: a run of about a second on one core whose groups carry signal.
-`small_args(*overrides)` is that config's override list with the test's own after it (a later
-override wins); `small_run(out, name, *overrides)` trains it into out/name.
+`small_args(*overrides)` is that config's override list with the test's own merged in (each key
+once, as the command line requires; a test's value replaces SMALL's); `small_run(out, name,
+*overrides)` trains it into out/name.
 """
 from __future__ import annotations
 
@@ -15,7 +16,11 @@ SMALL = ("run.iterations=2", "data.num_train=48", "eval.num=4", "data.prompts_pe
 
 
 def small_args(*overrides: str) -> list[str]:
-    return [*SMALL, *overrides]
+    merged = dict(item.split("=", 1) for item in SMALL)
+    for item in overrides:
+        key, value = item.split("=", 1)
+        merged[key] = value
+    return [f"{k}={v}" for k, v in merged.items()]
 
 
 def small_run(out: Path, name: str, *overrides: str) -> tuple[dict, Path]:

@@ -155,8 +155,10 @@ def test_a_lost_head_ends_the_run_in_one_line_and_resume_is_exact(tmp_path):
 
     from sealrl.audit import audit_run
     from sealrl.trainer.driver import train
+    # one thread in every process (the driver here, the subprocess's driver, the replica): the
+    # runs then compare bitwise on any CPU, whose kernels may split a reduction by thread count
     args = ["run.iterations=30", "data.num_train=32", "eval.num=4", "data.prompts_per_iter=2", "rollout.n=4",
-            "rollout.max_new_tokens=4", "run.checkpoint_every=1", f"run.output_dir={tmp_path}"]
+            "rollout.max_new_tokens=4", "run.checkpoint_every=1", "run.threads=1", f"run.output_dir={tmp_path}"]
     local = train(build_config(None, [*args, "run.name=local"]))
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     run_dir, address = tmp_path / "ray", cluster.address

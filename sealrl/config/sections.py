@@ -199,6 +199,7 @@ class AlgorithmConfig:
     correction: str = "none"               # none | token_is | seq_is | token_reject | seq_reject (recompute only)
     correction_threshold: float = 2.0      # IS cap, or rejection threshold
     mismatch_tol: float = 0.0              # max |current - rollout| log-prob per token at the first step, else stop
+    mismatch_action: str = "stop"          # past mismatch_tol: stop the run | drop_group (before the seal)
     reward_error: str = "drop_group"       # drop_group | retry | penalty
     reward_error_penalty: float = 0.0      # score given to an errored sample when reward_error=penalty
     overlong: str = "none"                 # none | mask (truncated responses get no loss) | soft
@@ -219,6 +220,11 @@ class AlgorithmConfig:
         _check_one_of(self.correction, "CORRECTIONS", "algorithm.correction")
         _check(self.kl_target >= 0, "algorithm.kl_target", ">= 0 (0 = fixed kl_coef)", self.kl_target)
         _check(self.mismatch_tol >= 0, "algorithm.mismatch_tol", ">= 0 (0 = no tolerance)", self.mismatch_tol)
+        _check(self.mismatch_action in ("stop", "drop_group"), "algorithm.mismatch_action", "stop | drop_group",
+               self.mismatch_action)
+        if self.mismatch_action == "drop_group" and not self.mismatch_tol:
+            raise ConfigError("algorithm.mismatch_action=drop_group needs algorithm.mismatch_tol > 0 (the per-token "
+                              "gap past which a group is dropped)", "algorithm.mismatch_tol")
         _check(self.kl_horizon >= 1, "algorithm.kl_horizon", ">= 1", self.kl_horizon)
         if self.kl_target > 0 and self.kl_coef == 0:  # beta 0 stays 0, and no reference is loaded
             raise ConfigError("algorithm.kl_target > 0 needs algorithm.kl_coef > 0 (the controller's initial beta)")

@@ -183,9 +183,11 @@ class ExperienceBatch:
         return out
 
     # ---- views -------------------------------------------------------------------------
-    def select(self, indices: Sequence[int]) -> "ExperienceBatch":
+    def select(self, indices: Sequence[int], derived: bool = True, without: Sequence[str] = ()) -> "ExperienceBatch":
         """A sub-batch (micro-batch, data-parallel shard) that keeps every field's provenance.
-        Token fields keep the parent's response width so shards line up column by column."""
+        Token fields keep the parent's response width so shards line up column by column.
+        `derived=False`: the facts only, the derived fields left to be derived again over it;
+        `without`: fields left out (to be written anew, e.g. a probe's own old log-probs)."""
         idx = list(indices)
         sub = ExperienceBatch.__new__(ExperienceBatch)
         sub.run_id, sub.iteration, sub.contract = self.run_id, self.iteration, self.contract
@@ -195,6 +197,8 @@ class ExperienceBatch:
         index = torch.tensor(idx, dtype=torch.long)
         sub._fields = {}
         for name, item in self._fields.items():
+            if name in without or (not derived and FIELDS[name].kind is Kind.DERIVED):
+                continue
             if isinstance(item.value, torch.Tensor):
                 value = item.value.index_select(0, index.to(item.value.device))
             else:

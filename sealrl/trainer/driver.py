@@ -208,6 +208,7 @@ def run_iteration(run: Run, it: int, version, lanes) -> dict:
     if p.baselines is not None:   # ReMax: the greedy baseline of each group, a sealed fact
         put_baselines(batch, p.baselines)
     metrics.update(prepare(run, batch, version, it))   # old log-probs: the actor's version (the proximal one)
+    batch = run.variants.before_seal(run, batch, version, p, it, metrics)   # mismatch_action=drop_group
     seal(run, it, batch, p.ledger, p.served)   # durable before any update reads it
     run.to(Phase.EXPERIENCE_SEALED, p.version.id)
     run.to(Phase.UPDATING_FROM, p.version.id)  # critic and actor updates

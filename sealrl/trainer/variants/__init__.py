@@ -6,7 +6,9 @@
 - `baselines` (ReMax, variants/remax.py): a greedy response per prompt, its reward the group's
   baseline (a sealed fact); otherwise none;
 - `extra_facts` (the optimal-token baseline): each token's sum of squared probabilities under
-  the old policy, a sealed fact its advantages read; otherwise nothing.
+  the old policy, a sealed fact its advantages read; otherwise nothing;
+- `before_seal` (algorithm.mismatch_action=drop_group, variants/mismatch.py): the groups whose
+  train-vs-rollout gap passes algorithm.mismatch_tol dropped; otherwise the batch as prepared.
 
 Streamed scoring (variants/streaming.py), partial rollouts (variants/partial.py), multi-turn
 episodes (variants/episodes.py) and the generation process (variants/process_lane.py) change
@@ -31,6 +33,10 @@ def _no_facts(run, batch, version) -> None:
     return None
 
 
+def _as_prepared(run, batch, version, produced, it, metrics):
+    return batch
+
+
 def _sum_pi_squared(run, batch, version) -> None:
     from sealrl.experience import Role
     from sealrl.roles.common import batch_sum_pi_squared
@@ -49,6 +55,8 @@ class Variants:
     baselines: Callable = _no_baselines
     # (run, batch, version): sealed facts beyond the old log-probs
     extra_facts: Callable = _no_facts
+    # (run, batch, version, produced, it, metrics) -> the batch to seal
+    before_seal: Callable = _as_prepared
 
 
 def select(cfg) -> Variants:
@@ -62,4 +70,7 @@ def select(cfg) -> Variants:
         hooks["baselines"] = greedy_baselines
     if cfg.algorithm.name == "optimal_token_baseline":
         hooks["extra_facts"] = _sum_pi_squared
+    if cfg.algorithm.mismatch_action == "drop_group":
+        from sealrl.trainer.variants.mismatch import drop_mismatched
+        hooks["before_seal"] = drop_mismatched
     return Variants(**hooks)
