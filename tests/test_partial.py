@@ -343,15 +343,9 @@ def test_switch_in_waves_of_bounded_rows_switches_each_wave_and_replays(switch_r
 def test_streamed_scoring_of_a_switch_run_is_bitwise_the_unstreamed(switch_run, tmp_path, monkeypatch):
     """reward.stream with rollout.partial=switch: rows that finish in any segment go to the
     scorers while the others decode; the sealed experience and weights are the inline run's."""
-    from sealrl.trainer.variants.streaming import EarlyScores
     from tests.test_pipeline import _files
-    takes, real_take = [], EarlyScores.take
-
-    def take(self, ids, items):
-        pairs, todo = real_take(self, ids, items)
-        takes.append((len(pairs), len(todo)))
-        return pairs, todo
-    monkeypatch.setattr(EarlyScores, "take", take)
+    from tests.test_reward_stream import recorded_takes
+    takes = recorded_takes(monkeypatch)
     monkeypatch.setattr(trainer_setup, "Rollout", HeldRollout)
     summary, run = _train(tmp_path, "sw", *SWITCH, "rollout.temperature=1.5", "actor.lr=1e-2", "reward.stream=true",
                           "reward.num_scorers=1")

@@ -190,6 +190,18 @@ ASYNC = ("rollout.max_staleness=1", "algorithm.correction=token_is")   # the gen
 RAY = ("placement.backend=ray", "placement.rollout_replicas=2", "placement.num_cpus=2")   # a shard at a time
 
 
+def recorded_takes(monkeypatch) -> list[tuple[int, int]]:
+    """(records taken from the stream, records left to score) of every scoring attempt from now."""
+    takes, real_take = [], EarlyScores.take
+
+    def take(self, ids, items):
+        pairs, todo = real_take(self, ids, items)
+        takes.append((len(pairs), len(todo)))
+        return pairs, todo
+    monkeypatch.setattr(EarlyScores, "take", take)
+    return takes
+
+
 @pytest.mark.parametrize("policy,extra", [("penalty", ()), ("retry", ()), ("penalty", ASYNC),
                                           ("penalty", (*ASYNC, "rollout.lane=process")),   # rows over the pipe
                                           pytest.param("penalty", RAY, marks=pytest.mark.slow)],
@@ -199,13 +211,7 @@ def test_streamed_run_is_bitwise_the_unstreamed_run(tmp_path, monkeypatch, polic
     erroring reward's samples are error records (penalised or retried) in both; and the
     streamed run's first scoring attempts did take every record from the stream."""
     (tmp_path / "rew.py").write_text(REWARD)
-    takes, real_take = [], EarlyScores.take
-
-    def take(self, ids, items):
-        pairs, todo = real_take(self, ids, items)
-        takes.append((len(pairs), len(todo)))
-        return pairs, todo
-    monkeypatch.setattr(EarlyScores, "take", take)
+    takes = recorded_takes(monkeypatch)
     runs = {}
     for stream in ("false", "true"):
         summary = train(build_config(None, BASE + [f"reward.fn={tmp_path / 'rew.py'}:score",
