@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from sealrl.config import ConfigError, build_config, config_diff, load_config
+from sealrl.config import ConfigError, build_config, check_config, config_diff, load_config
 
 
 def test_defaults_and_overrides(tmp_path):
@@ -126,3 +126,14 @@ KEY_BUDGET = 146
 def test_the_number_of_config_keys_does_not_grow_unnoticed():
     keys = _leaf_keys(build_config())
     assert len(keys) == len(set(keys)) == KEY_BUDGET, f"{len(keys)} keys; KEY_BUDGET is {KEY_BUDGET}"
+
+
+def test_a_token_budget_with_data_parallel_ranks_is_refused_at_load_not_in_the_update():
+    """The ranks' passes are counted by micro_batch_size (roles/distributed.idle_passes): a token
+    budget would crash the first data-parallel update, so the config check names it at load."""
+    ray = ["placement.backend=ray", "actor.max_tokens_per_micro_batch=512"]
+    for ranks in ("placement.actor_ranks=2", "placement.critic_ranks=2"):
+        with pytest.raises(ConfigError, match=r"^actor.max_tokens_per_micro_batch=512 with 2 data-parallel ranks") as e:
+            check_config(build_config(None, [*ray, ranks, "algorithm.name=ppo"]))
+        assert e.value.key == "actor.max_tokens_per_micro_batch"
+    check_config(build_config(None, ["actor.max_tokens_per_micro_batch=512"]))   # one process: a budget serves
