@@ -119,6 +119,30 @@ def test_actor_group_of_one_in_process_rank_is_the_plain_actor():
 
 
 @pytest.mark.slow
+def test_a_token_budget_on_two_fsdp2_ranks_gives_the_one_process_update(tmp_path, ray_session):
+    """actor.max_tokens_per_micro_batch with 2 FSDP2 ranks: each rank partitions its own rows by
+    the budget, so the ranks may run different numbers of passes; the one with fewer adds idle
+    ones (counted by the same partition), every collective is joined, and the weights are the
+    one-process run's. (It crashed the first data-parallel update before.)"""
+    from sealrl.experience import split_ids
+    from sealrl.models.packing import partition_by_tokens
+    # 3 prompts x 5 = 15 samples of 10 tokens, 8 and 7 per rank: a budget of 15 runs each sample
+    # on its own, so rank 1 runs one idle pass per step
+    budget = ["algorithm.name=grpo", "run.iterations=2", "rollout.n=5", "actor.max_tokens_per_micro_batch=15"]
+    local = run(tmp_path, "local", *budget)
+    dp = run(tmp_path, "dp", *budget, "placement.actor_ranks=2", "placement.dp_strategy=fsdp2", *DP)
+    batch = experience(dp, 0)
+    length = {s.sample_id: len(s.prompt_ids) + len(s.response_ids) for s in batch.samples}
+    passes = [len(partition_by_tokens([length[i] for i in part], 15)) for part in split_ids(batch.sample_ids, 2)]
+    assert passes[0] != passes[1], passes   # the idle passes ran
+    assert_same_weights(local, dp, "actor_model", 2)
+    w1 = load_file(str(local / "checkpoints" / "step_1" / "actor_model.safetensors"))
+    w2 = load_file(str(local / "checkpoints" / "step_2" / "actor_model.safetensors"))
+    assert max(float((w1[n] - w2[n]).abs().max()) for n in w1) > 1e-5   # an update that moved the weights
+    assert audit_run(dp).ok
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_grpo_two_actor_ranks_give_the_one_process_update_through_a_resume(tmp_path, ray_session, monkeypatch,
                                                                            local_grpo, strategy):

@@ -166,11 +166,6 @@ def check_config(cfg: Config) -> None:
     if cfg.rollout.partial == "switch" and not cfg.rollout.max_staleness:   # rollout/switching.py, docs/async.md
         raise ConfigError("rollout.partial=switch needs rollout.max_staleness >= 1 (at 0 nothing is published while "
                           "generating)", "rollout.partial")
-    ranks = max(cfg.placement.actor_ranks, cfg.placement.critic_ranks)
-    if cfg.actor.max_tokens_per_micro_batch and ranks > 1:   # roles/common.py micro_batches
-        raise ConfigError(f"actor.max_tokens_per_micro_batch={cfg.actor.max_tokens_per_micro_batch} with {ranks} "
-                          "data-parallel ranks: every rank must run as many passes (FSDP2's collectives), counted "
-                          "by micro_batch_size; use actor.micro_batch_size there", "actor.max_tokens_per_micro_batch")
     if cfg.reward.stream and not cfg.reward.num_scorers:   # trainer/variants/streaming.py
         raise ConfigError("reward.stream needs reward.num_scorers >= 1 (inline scoring would run between decode "
                           f"steps: nothing overlaps), got {cfg.reward.num_scorers}", "reward.stream")

@@ -46,7 +46,7 @@ from sealrl.config import StoppedRun
 from sealrl.experience import ExperienceBatch, PolicyVersion, Role
 from sealrl.models.precision import model_device, process_group_backend
 from sealrl.placement.workers import HOSTS, WorkerError, WorkerGroup
-from sealrl.roles.common import batch_log_probs
+from sealrl.roles.common import batch_log_probs, pass_counter
 from sealrl.roles.distributed import (
     decoder_layers,
     fsdp2_available,
@@ -162,7 +162,7 @@ class ActorRank(TrainRank):
         w.model.eval()
         lp, _ = batch_log_probs(w.model, shard, w.temperature, w.pad_id, w.tf.micro_batch_size, tf=w.tf)
         with torch.no_grad():   # FSDP2: as many forwards as the rank with the most rows
-            for _ in range(idle_passes(w.model, batch.sample_ids, w.tf.micro_batch_size)):
+            for _ in range(idle_passes(w.model, batch.sample_ids, pass_counter(w.tf, batch.samples))):
                 first = batch.samples[0]
                 w.tf.log_probs(w.model, [list(first.prompt_ids)], [list(first.response_ids)], w.temperature, w.pad_id)
         return shard.sample_ids, lp
@@ -180,7 +180,7 @@ class CriticRank(TrainRank):
         if len(shard):   # an empty shard (more ranks than samples) has no rows to return
             w.compute(shard)
         with torch.no_grad():   # FSDP2: as many forwards as the rank with the most rows
-            for _ in range(idle_passes(w.model, batch.sample_ids, w.micro)):
+            for _ in range(idle_passes(w.model, batch.sample_ids, pass_counter(w.tf, batch.samples))):
                 w.model.values([list(batch.samples[0].prompt_ids)], [list(batch.samples[0].response_ids)],
                                pad_id=w.pad_id)
         if not len(shard):

@@ -300,7 +300,7 @@ class Actor:
                 totals[k] = totals.get(k, 0.0) + float(v) * share
         # FSDP2: as many passes as the rank with the most rows (collectives); these add nothing
         for _ in range(idle_passes(self.model, [batch.samples[i].sample_id for i in idx.tolist()],
-                                   self.tf.micro_batch_size)):
+                                   common.pass_counter(self.tf, batch.samples))):
             (self._forward(batch, idx[:1])[0].sum() * 0.0).backward()
         return totals
 

@@ -9,12 +9,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from sealrl.config import ConfigError
 from sealrl.experience import ExperienceBatch
 from sealrl.models.lean_forward import unsupported_reason
 from sealrl.models.lora import load_trainable_state, trainable_state
 from sealrl.models.packing import TeacherForcing
-from sealrl.roles.distributed import clip_grad_norm, sum_grads, world
+from sealrl.roles.distributed import clip_grad_norm, sum_grads
 
 FAST_CHUNK = 1024   # LM-head tokens per chunk on the fast path (faster than the whole head at every
                     # vocabulary measured, 256 to 49,152: docs/benchmarks.md, "Fast by default")
@@ -60,13 +59,16 @@ def sample_lengths(samples) -> list[int]:
 
 def micro_batches(tf: TeacherForcing, rows: list[int], samples) -> list[list[int]]:
     """`rows` (indices into `samples`) split into micro-batches: by count (consecutive), or by
-    the token budget. A budget needs one process: sharded data-parallel ranks must all run the
-    same number of passes (distributed.idle_passes counts them by micro_batch_size)."""
-    if tf.max_tokens and world()[1] > 1:
-        raise ConfigError(f"actor.max_tokens_per_micro_batch={tf.max_tokens} needs placement.actor_ranks=1 and "
-                          f"critic_ranks=1 (this process is one of {world()[1]} ranks)",
-                          "actor.max_tokens_per_micro_batch")
+    the token budget. Sharded data-parallel ranks must all run the same number of passes: each
+    adds idle ones (distributed.idle_passes, counted by `pass_counter`)."""
     return [[rows[i] for i in part] for part in tf.micro_batches(sample_lengths([samples[r] for r in rows]))]
+
+
+def pass_counter(tf: TeacherForcing, samples) -> Callable[[list[str]], int]:
+    """The micro-batch passes `tf` runs over the samples of some sample ids (any order: a token
+    budget's partition depends only on the lengths), for distributed.idle_passes."""
+    length = {s.sample_id: n for s, n in zip(samples, sample_lengths(samples))}
+    return lambda ids: len(tf.micro_batches([length[i] for i in ids]))
 
 
 def clone_state(x):

@@ -124,7 +124,8 @@ class Critic:
             share = float(mask[sl].sum()) / max(1.0, float(mask[idx].sum()))
             clip_frac += float(metrics.get("value_clip_frac", 0.0)) * share
         # FSDP2: as many passes as the rank with the most rows (collectives); these add nothing
-        for _ in range(idle_passes(self.model, [batch.sample_ids[i] for i in idx.tolist()], self.tf.micro_batch_size)):
+        for _ in range(idle_passes(self.model, [batch.sample_ids[i] for i in idx.tolist()],
+                                   common.pass_counter(self.tf, batch.samples))):
             (self._values(batch.samples[:1])[0].sum() * 0.0).backward()
         # Data-parallel (no-ops on one process): losses are shares of one loss, so SUM.
         sums = all_reduce_sums({"value_loss": total, "clip_frac": clip_frac})

@@ -202,17 +202,19 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return any(_is_dtensor(p) for p in model.parameters())
 
 
-def idle_passes(model: torch.nn.Module, sample_ids: list[str], micro_batch_size: int) -> int:
-    """Micro-batch passes this rank adds so that it runs as many as the rank with the most rows
-    of `sample_ids` (split as own_rows / shard_batch split them): FSDP2 gathers parameters in
-    every forward and reduce-scatters in every backward, collectives every rank must join.
-    0 when the model is not sharded."""
+def idle_passes(model: torch.nn.Module, sample_ids: list[str], passes) -> int:
+    """Micro-batch passes this rank adds so that it runs as many as the rank with the most
+    passes over its rows of `sample_ids` (split as own_rows / shard_batch split them): FSDP2
+    gathers parameters in every forward and reduce-scatters in every backward, collectives every
+    rank must join. `passes`: the micro-batch size (passes by count), or a function giving the
+    passes over a rank's sample ids (a token budget: roles/common.pass_counter). 0 when the
+    model is not sharded."""
     rank, size = world()
     if size == 1 or not is_sharded(model):
         return 0
-    parts = split_ids(sample_ids, size)
-    passes = [-(-len(part) // micro_batch_size) for part in parts]
-    return max(passes) - passes[rank]
+    count = passes if callable(passes) else (lambda ids: -(-len(ids) // passes))
+    per_rank = [count(part) for part in split_ids(sample_ids, size)]
+    return max(per_rank) - per_rank[rank]
 
 
 def sum_grads(params: list[torch.nn.Parameter]) -> None:
