@@ -57,15 +57,11 @@ def local_runs(tmp_path_factory):
     return tmp_path_factory.mktemp("local"), {}
 
 
-def _run(root, feature, *extra):
-    """A finished two-iteration run of `feature` in root/feature, audited."""
+def _run(root, feature, *extra) -> tuple[dict, object]:
+    """(summary, run folder) of a two-iteration run of `feature` in root/feature."""
     summary = train(build_config(None, [*BASE, *FEATURES[feature], *extra, f"run.output_dir={root}",
                                         f"run.name={feature}"]))
-    run_dir = root / feature
-    assert summary["completed"] and summary["iterations"] == 2
-    report = audit_run(run_dir)
-    assert not report.failed_checks(), report.summary()
-    return run_dir
+    return summary, root / feature
 
 
 def _local(local_runs, feature):
@@ -77,15 +73,21 @@ def _local(local_runs, feature):
 
 @pytest.mark.parametrize("feature", list(FEATURES))
 def test_local_cell(local_runs, feature):
-    _local(local_runs, feature)
+    summary, run_dir = _local(local_runs, feature)
+    assert summary["completed"] and summary["iterations"] == 2
+    report = audit_run(run_dir)
+    assert not report.failed_checks(), report.summary()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("feature", list(FEATURES))
 def test_ray_cell(ray_session, local_runs, tmp_path, feature):
     extra = ["placement.critic_ranks=2"] if feature == "ppo" else []
-    run_dir = _run(tmp_path, feature, *RAY, *extra)
-    local = read_iteration(_local(local_runs, feature) / "experience" / "iter_000000.parquet")
+    summary, run_dir = _run(tmp_path, feature, *RAY, *extra)
+    assert summary["completed"] and summary["iterations"] == 2
+    report = audit_run(run_dir)
+    assert not report.failed_checks(), report.summary()
+    local = read_iteration(_local(local_runs, feature)[1] / "experience" / "iter_000000.parquet")
     remote = read_iteration(run_dir / "experience" / "iter_000000.parquet")
     assert remote.sample_ids == local.sample_ids   # the initial version, the same seeds: the same samples
     assert [s.response_ids for s in remote.samples] == [s.response_ids for s in local.samples]

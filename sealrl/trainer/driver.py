@@ -26,13 +26,13 @@ from sealrl.trainer.inputs import check_inputs, write_dropped_rows
 from sealrl.trainer.iteration_metrics import perf_metrics, share_metrics
 from sealrl.trainer.memory import hold_freed_memory
 from sealrl.trainer.pipeline import admit, pipeline, staleness_metrics
-from sealrl.trainer.prepare import append_lines, build_batch, prepare, seal
-from sealrl.trainer.quarantine import quarantine
+from sealrl.trainer.prepare import build_batch, prepare, seal
+from sealrl.trainer.quarantine import quarantine_dropped
 from sealrl.trainer.record import record
 from sealrl.trainer.resume.position import forget_after, forget_sealed_after, restore_position, save_position
 from sealrl.trainer.resume.retained import recall
 from sealrl.trainer.setup import Run
-from sealrl.trainer.state import Phase, StageFailed, committed_id
+from sealrl.trainer.state import Phase, committed_id
 from sealrl.trainer.stopping import graceful_stop
 from sealrl.trainer.update import update
 from sealrl.trainer.variants.remax import put_baselines
@@ -200,10 +200,7 @@ def run_iteration(run: Run, it: int, version, lanes) -> dict:
     p = lanes.get(it)
     ages = admit(p, lanes.chain, version.id, lanes.bound)
     metrics = p.metrics
-    quarantine(run.dir, it, p)   # what each dropped group held, before anything is sealed
-    if not p.kept:   # the ledger says why each group went, then the run stops naming it
-        append_lines(run.dir / "ledger.jsonl", p.ledger.rows())
-        raise StageFailed(f"iteration {it}: every group was dropped ({p.ledger.rows()[0]['reason']})")
+    quarantine_dropped(run.dir, it, p)   # what each dropped group held, before anything is sealed
     batch = build_batch(run, it, p.kept, p.records, p.prompt_of, p.texts, p.version)
     if p.baselines is not None:   # ReMax: the greedy baseline of each group, a sealed fact
         put_baselines(batch, p.baselines)

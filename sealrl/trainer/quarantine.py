@@ -36,6 +36,17 @@ def quarantine(run_dir: Path, it: int, produced) -> int:
     return len(lines)
 
 
+def quarantine_dropped(run_dir: Path, it: int, produced) -> None:
+    """Quarantine iteration `it`'s dropped groups; when none is left to train, the ledger says
+    why each went and the run stops naming the first (StageFailed)."""
+    from sealrl.trainer.prepare import append_lines
+    from sealrl.trainer.state import StageFailed
+    quarantine(run_dir, it, produced)
+    if not produced.kept:
+        append_lines(Path(run_dir) / "ledger.jsonl", produced.ledger.rows())
+        raise StageFailed(f"iteration {it}: every group was dropped ({produced.ledger.rows()[0]['reason']})")
+
+
 def _group(it: int, row: dict, produced) -> dict:
     g = row["group_id"]
     prompt = produced.prompt_of(g)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from sealrl.experience import ExperienceBatch
-from sealrl.trainer.state import StageFailed
 
 
 def group_gaps(batch: ExperienceBatch, current: torch.Tensor) -> dict[str, float]:
@@ -31,7 +30,7 @@ def drop_mismatched(run, batch: ExperienceBatch, version, produced, it: int, met
     """`batch` without the groups past the tolerance (the same object when none is); the ledger,
     the quarantine, the group counts and the advantages follow."""
     from sealrl.trainer.prepare import advantages
-    from sealrl.trainer.quarantine import quarantine
+    from sealrl.trainer.quarantine import quarantine_dropped
     algo = run.cfg.algorithm
     with run.stage("mismatch_check", "actor"):
         if algo.old_log_prob == "recompute":
@@ -49,12 +48,8 @@ def drop_mismatched(run, batch: ExperienceBatch, version, produced, it: int, met
         produced.ledger.drop(g, f"train-vs-rollout mismatch {gap:.3g} nats on a sampled token > "
                                 f"algorithm.mismatch_tol={algo.mismatch_tol:g}")
         produced.kept.pop(g, None)
-    quarantine(run.dir, it, produced)   # the iteration's dropped groups, these included
     metrics.update({k: v for k, v in produced.ledger.counts().items() if k.startswith("groups/")})
-    if not produced.kept:
-        from sealrl.trainer.prepare import append_lines
-        append_lines(run.dir / "ledger.jsonl", produced.ledger.rows())
-        raise StageFailed(f"iteration {it}: every group was dropped ({produced.ledger.rows()[0]['reason']})")
+    quarantine_dropped(run.dir, it, produced)   # the iteration's dropped groups, these included
     kept = batch.select([i for i, g in enumerate(batch.group_ids) if g not in over], derived=False)
     metrics.update(advantages(run, kept, it))   # over the groups that stay (a batch-wide whitening included)
     return kept
