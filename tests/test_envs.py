@@ -138,7 +138,7 @@ def test_a_tool_worker_dies_with_the_process_that_forked_it(tmp_path: Path):
     import subprocess
     import sys
     script = ("import time\nfrom sealrl.envs.tools import ToolWorker\n"
-              "w = ToolWorker({'echo': lambda a: a}, 2.0, 64)\nprint(w.call('echo', 'x')[1], w._proc.pid, flush=True)\n"
+              "w = ToolWorker({'echo': lambda a: a}, 2.0, 64)\nprint(w.call('echo', 'x')[1], w.host.pid, flush=True)\n"
               "time.sleep(60)\n")
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:

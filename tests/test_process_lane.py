@@ -5,7 +5,6 @@ through the verified sync and load while it samples; a process that dies or hang
 error in the training lane, never a wait without end."""
 import functools
 import json
-import multiprocessing
 import os
 import threading
 import time
@@ -16,8 +15,10 @@ from sealrl.audit import audit_run
 from sealrl.config import ConfigError, build_config, check_config
 from sealrl.experience import SamplingContract
 from sealrl.experience.wire import GenerationRequest
-from sealrl.placement.process_rollout import GenerationProcessError, ProcessRollout
+from sealrl.placement.process_rollout import ProcessRollout
 from sealrl.roles.rollout import Rollout
+from sealrl.seams import host
+from sealrl.seams.host import HostLostError
 from sealrl.sync.manifest import WeightSyncError, build_manifest
 from sealrl.trainer import driver as driver_module
 from sealrl.trainer import pipeline as pipeline_module
@@ -38,7 +39,7 @@ class SlowRollout(Rollout):
         self.delay = delay
 
     def generate(self, *args, **kwargs):
-        if multiprocessing.parent_process() is not None:
+        if host.HOSTED:
             time.sleep(self.delay)
         return super().generate(*args, **kwargs)
 
@@ -48,7 +49,7 @@ class DyingRollout(Rollout):
     calls = 0
 
     def generate(self, *args, **kwargs):
-        if multiprocessing.parent_process() is not None:
+        if host.HOSTED:
             DyingRollout.calls += 1
             if DyingRollout.calls == int(os.environ["SEALRL_TEST_DIE_AT"]):
                 os._exit(7)
@@ -95,7 +96,7 @@ def test_a_generation_process_that_dies_is_a_named_error_in_the_training_lane(tm
     monkeypatch.setattr(trainer_setup, "Rollout", DyingRollout)
     monkeypatch.setenv("SEALRL_TEST_DIE_AT", "3")   # iterations 0 and 1 generate, iteration 2 kills it
     t0 = time.perf_counter()
-    with pytest.raises(GenerationProcessError, match=r"generation process \(pid \d+\) exited with code 7 "
+    with pytest.raises(HostLostError, match=r"generation process \(pid \d+\) exited with code 7 "
                                                      r"during generate"):
         _train(tmp_path, "dies", "rollout.max_staleness=1", "rollout.lane=process", "run.iterations=6", *ASYNC)
     assert time.perf_counter() - t0 < 120   # raised, not waited on
@@ -171,25 +172,22 @@ def test_a_process_past_its_deadline_is_stopped_and_named(weights):
     try:
         v0 = proc.load(state, build_manifest(state, "r", 0, 0, "", ""))
         t0 = time.perf_counter()
-        with pytest.raises(GenerationProcessError, match=r"missed the deadline of 10 s .* during generate"):
+        with pytest.raises(HostLostError, match=r"missed the deadline of 10 s during generate; it was killed"):
             proc.generate(REQ, CONTRACT, v0)
         assert time.perf_counter() - t0 < 25
-        with pytest.raises(GenerationProcessError, match="missed the deadline"):   # and every later call
+        with pytest.raises(HostLostError, match="missed the deadline"):   # and every later call
             proc.load(state, build_manifest(state, "r", 1, 0, "", ""))
     finally:
         proc.close()
 
 
 def test_a_role_that_cannot_be_built_there_is_raised_here_and_the_process_is_gone():
-    made = []
-
-    class Recorded(ProcessRollout):
-        def close(self):
-            made.append(self._proc)
-            super().close()
-    with pytest.raises(AttributeError):   # Rollout(None, None): the engine reads model.config
-        Recorded(functools.partial(Rollout, None, None), threads=1, timeout_s=60)
-    assert len(made) == 1 and not made[0].is_alive()
+    # Rollout(None, None): the engine reads model.config
+    with pytest.raises(HostLostError, match=r"generation process \(pid \d+\) could not start: AttributeError") as e:
+        ProcessRollout(functools.partial(Rollout, None, None), threads=1, timeout_s=60)
+    assert e.value.kind == "start" and isinstance(e.value.__cause__, AttributeError)
+    with pytest.raises(ProcessLookupError):   # killed and reaped
+        os.kill(e.value.pid, 0)
 
 
 def test_config_names_the_lane():

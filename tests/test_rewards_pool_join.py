@@ -7,13 +7,13 @@ test_rewards_pool.py for the same pattern).
 from __future__ import annotations
 
 import os
-import sys
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 import sealrl.rewards as rewards
 from sealrl.rewards.base import RewardSample
+from sealrl.seams import host
 
 
 def _value(sample: RewardSample) -> float:
@@ -44,8 +44,9 @@ class ForgingScorer:
 
     def __call__(self, sample: RewardSample):
         if sample.sample_id == "s3":
-            conn = Connection(int(sys.argv[1]), readable=False)   # the worker's pipe (worker.BOOTSTRAP)
-            conn.send(("done", (10**6, os.getpid(), ["s4"], [(42.0, {"forging": 42.0})])))
+            fd = host.CHANNEL_FDS[0]   # the worker's pipe (seams/host.py)
+            conn = Connection(fd, readable=False)
+            conn.send(("ok", 10**6, os.getpid(), (["s4"], [(42.0, {"forging": 42.0})])))
             conn._handle = None   # not ours to close
         return _value(sample)
 

@@ -32,10 +32,11 @@ import torch
 from sealrl.experience.records import SamplingContract
 from sealrl.experience.wire import RolloutSample
 from sealrl.models.lora import adapter_scaling, adapter_state, apply_lora, base_state
-from sealrl.placement.process_rollout import GenerationProcessError, ProcessRollout
+from sealrl.placement.process_rollout import ProcessRollout
 from sealrl.roles.rollout import Rollout
 from sealrl.rollout import RolloutEngine, kv_meter
 from sealrl.rollout.episodes import EpisodeSpec
+from sealrl.seams.host import HostLostError
 from sealrl.seams.rollout import CLIENTS, Capabilities, MissingCapability, missing_members
 from sealrl.sync.adapter import build_adapter_manifest
 from sealrl.sync.manifest import WeightSyncError, build_manifest
@@ -66,13 +67,13 @@ def _process(request, model, tok, **kw):
 
 def _kill_process(client) -> None:
     os.kill(client.pid, signal.SIGKILL)
-    client._proc.join(timeout=30)
+    client.host.exitcode(wait_s=30)
 
 
 def _process_lost(client, requests, version, want) -> None:
-    with pytest.raises(GenerationProcessError, match=rf"generation process \(pid {client.pid}\) exited with code -9"):
+    with pytest.raises(HostLostError, match=rf"generation process \(pid {client.pid}\) exited with code -9"):
         client.generate(requests, CONTRACT, version)
-    with pytest.raises(GenerationProcessError) as again:   # every later call: the same named error
+    with pytest.raises(HostLostError) as again:   # every later call: the same named error
         client.load({}, None)
     assert again.value is client.failed
 

@@ -9,107 +9,68 @@ the episode.
 Failures are named, never rewards (experience/episode.py EnvStatus): a tool that raises is
 ERROR, one past `timeout_s` is TIMEOUT (its worker is killed and a fresh one started on the next
 call, so nothing hangs), one that returns more than `max_output_chars` is FLOOD (cut, marked), a
-call naming no tool is BAD_CALL. Tools are plain functions str -> str; the worker is forked
-once and reused (a pipe per call, about 0.1 ms), its stdout and stderr go to /dev/null, it dies
-with the process that forked it (Linux: PR_SET_PDEATHSIG), and it imports nothing new (fork
-after torch is safe as long as the tool itself does not use torch).
+call naming no tool is BAD_CALL. Tools are plain functions str -> str; the worker is a process
+host (seams/host.py) forked once and reused (a pipe per call, about 0.1 ms), its stdout and
+stderr go to /dev/null, it dies with the thread that forked it (Linux: PR_SET_PDEATHSIG), and it
+imports nothing new (fork after torch is safe as long as the tool itself does not use torch).
 Code-like tools that must not be trusted belong in sealrl.rewards.sandbox instead: this worker
 isolates time and output, not the file system.
 """
 from __future__ import annotations
 
-import ctypes
-import multiprocessing as mp
-import os
+import functools
 import re
-import signal
-import sys
 from typing import Callable
 
 from sealrl.envs.base import EnvStep
 from sealrl.experience.episode import EnvStatus
+from sealrl.seams.host import HostLostError, ProcessHost
 
 Tool = Callable[[str], str]
 
 
-def _die_with(parent: int) -> None:
-    """Linux: this worker is SIGKILLed when the thread that forked it ends, so a process killed
-    at once (a Ray replica whose node is lost) leaves no child holding the sockets it inherited,
-    which would hide that death from Ray until the call's deadline. If the parent is already
-    gone, exit now. (A worker whose forking thread ended is started again by the next call.)"""
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)   # PR_SET_PDEATHSIG
-    if os.getppid() != parent:
-        os._exit(0)
+class _Tools:
+    """What the worker process serves: (status, output, message) per call."""
 
+    def __init__(self, tools: dict[str, Tool], max_output_chars: int) -> None:
+        self.tools, self.max_output_chars = tools, max_output_chars
 
-def _serve(conn, tools: dict[str, Tool], max_output_chars: int, parent: int) -> None:
-    """The worker's loop: (name, args) in, (status, output, message) out; None ends it."""
-    _die_with(parent)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    os.dup2(devnull, 2)
-    while True:
+    def run(self, name: str, args: str) -> tuple[str, str, str]:
         try:
-            msg = conn.recv()
-        except EOFError:
-            return
-        if msg is None:
-            return
-        name, args = msg
-        try:
-            out = str(tools[name](args))
+            out = str(self.tools[name](args))
         except Exception as e:  # noqa: BLE001 - a tool's failure is its status, reported back
-            conn.send(("error", "", f"{type(e).__name__}: {e}"[:200]))
-            continue
-        if len(out) > max_output_chars:
-            conn.send(("flood", out[:max_output_chars], f"output of {len(out)} chars cut to {max_output_chars}"))
-        else:
-            conn.send(("ok", out, ""))
+            return "error", "", f"{type(e).__name__}: {e}"[:200]
+        if len(out) > self.max_output_chars:
+            return "flood", out[:self.max_output_chars], f"output of {len(out)} chars cut to {self.max_output_chars}"
+        return "ok", out, ""
 
 
 class ToolWorker:
-    """One forked process that runs tools, with a deadline per call."""
+    """One forked process host (seams/host.py) that runs tools, with a deadline per call."""
 
     def __init__(self, tools: dict[str, Tool], timeout_s: float, max_output_chars: int) -> None:
         self.tools, self.timeout_s, self.max_output_chars = dict(tools), timeout_s, max_output_chars
-        self._proc = None
-        self._conn = None
-
-    def _start(self) -> None:
-        ctx = mp.get_context("fork")
-        parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, self.tools, self.max_output_chars, os.getpid()),
-                                 daemon=True, name="sealrl-tools")
-        self._proc.start()
-        child.close()
-        self._conn = parent
+        self.host: ProcessHost | None = None
 
     def call(self, name: str, args: str) -> tuple[EnvStatus, str, str]:
         """(status, output, message). Never raises for anything the tool does."""
-        if self._proc is None or not self._proc.is_alive():
-            self.close()
-            self._start()
+        if self.host is None:
+            self.host = ProcessHost("tool worker", functools.partial(_Tools, self.tools, self.max_output_chars),
+                                    start="fork", output="null")
+        elif self.host.lost is not None or self.host.exitcode() is not None:
+            self.host = self.host.respawn()
         try:
-            self._conn.send((name, args))
-            if not self._conn.poll(self.timeout_s):
-                self.close()   # killed: the next call starts a fresh worker
+            status, out, msg = self.host.call("run", name, args, timeout_s=self.timeout_s)
+        except HostLostError as e:   # killed at the deadline, or died: the next call starts a fresh one
+            if e.kind == "deadline":
                 return EnvStatus.TIMEOUT, "", f"tool {name!r} did not answer within {self.timeout_s} s"
-            status, out, msg = self._conn.recv()
-        except (EOFError, OSError) as e:
-            code = self._proc.exitcode if self._proc is not None else None
-            self.close()
-            return EnvStatus.ERROR, "", f"tool worker died ({type(e).__name__}, exit code {code})"
+            return EnvStatus.ERROR, "", f"tool worker died ({e.reason})"
         return EnvStatus(status), out, msg
 
     def close(self) -> None:
-        if self._proc is not None:
-            if self._proc.is_alive():
-                self._proc.kill()
-            self._proc.join(timeout=5)
-        if self._conn is not None:
-            self._conn.close()
-        self._proc = self._conn = None
+        if self.host is not None:
+            self.host.close(grace_s=0.0)
+        self.host = None
 
 
 class ToolEnv:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import os
-import pickle
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from sealrl.config import UserError
+from sealrl.seams.host import RemoteCallError, type_name_of
 
 
 class WorkerError(RuntimeError):
@@ -49,34 +49,6 @@ class WorkerError(RuntimeError):
 
     def __reduce__(self):
         return type(self), (self.role, self.worker, self.method, self.reason, self.cause, self.lost)
-
-
-def _type_name(e: BaseException | None) -> str:
-    return e.type_name if isinstance(e, RemoteCallError) else type(e).__name__
-
-
-class RemoteCallError(Exception):
-    """A role's exception that does not survive pickling (custom __init__), sent as its type
-    name, message and simple attributes (e.g. WeightSyncError.tensor) so nothing is lost."""
-
-    def __init__(self, type_name: str, message: str, fields: dict) -> None:
-        super().__init__(type_name, message, fields)
-        self.type_name, self.message, self.fields = type_name, message, fields
-        for k, v in fields.items():
-            setattr(self, k, v)
-
-    def __str__(self) -> str:
-        return self.message
-
-    @classmethod
-    def portable(cls, e: Exception) -> Exception:
-        """`e` itself if it pickles and unpickles, else its RemoteCallError form."""
-        try:
-            pickle.loads(pickle.dumps(e))
-            return e
-        except Exception:  # noqa: BLE001 - any failure to round-trip means: send the portable form
-            simple = (str, int, float, bool, type(None))
-            return cls(type(e).__name__, str(e), {k: v for k, v in vars(e).items() if isinstance(v, simple)})
 
 
 class WorkerGroup(Protocol):
@@ -451,7 +423,7 @@ class RayWorkerGroup:
                 out[k] = ray.get(done[0])
             except ray.exceptions.RayTaskError as e:
                 cause = e.cause if isinstance(e.cause, BaseException) else e
-                out[k] = WorkerError(self.role, k, method, f"{_type_name(cause)}: {cause}", cause)
+                out[k] = WorkerError(self.role, k, method, f"{type_name_of(cause)}: {cause}", cause)
             except ray.exceptions.RayActorError as e:
                 died = " ".join(str(e).split())   # Ray's message spans lines: one line here
                 out[k] = WorkerError(self.role, k, method, f"the worker's process died: {died}", e, lost=True)

@@ -6,15 +6,17 @@ scorer that raises or returns a non-score gives status error; one that runs past
 gives status timeout, and its worker is killed with SIGKILL and replaced by a fresh one. Neither
 ever becomes a number.
 
-How: `num_scorers` fresh interpreters running sealrl.rewards.worker (never a fork: torch + fork
-is unsafe), each a loop over its own socket pair (multiprocessing.connection). A worker has at
-most one request in flight, so a hang is attributable to that request. A request is one sample,
+How: `num_scorers` process hosts (seams/host.py: fresh interpreters, never a fork: torch +
+fork is unsafe) serving sealrl.rewards.worker.Scorer, each over its own socket pair, all waited
+on at once. A worker has at most one request in flight, so a hang is attributable to that
+request; a reply is joined only if it answers that request and comes from the worker's own
+process (the host refuses any other, and the worker is replaced). A request is one sample,
 or, for a BatchRewardFunction (a reward model), one contiguous chunk of the batch per worker:
 then `timeout_s` bounds the whole chunk and a timeout marks every sample of it.
 
 Why not multiprocessing's "spawn": a spawned child re-imports the driver's __main__ module, and
 with a driver that imports torch that measured ~2 s per worker (forkserver children did the same
-on Python 3.11). Launching `python -c` ourselves, a worker imports only sealrl.rewards.worker,
+on Python 3.11). Launched as `python -c`, a worker imports only the host, sealrl.rewards.worker,
 the scorer's module and what its `setup()` loads: ~0.05-0.1 s for a rule-based scorer, ~0.5 s
 with math-verify (sympy), seconds for a reward model (torch, transformers, weights).
 
@@ -35,39 +37,29 @@ scorer returns (a driver ended by its stage watchdog kills its children first).
 """
 from __future__ import annotations
 
-import itertools
-import json
+import functools
 import math
-import multiprocessing as mp
-import os
 import pickle
-import signal
-import subprocess
-import sys
 import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from typing import Iterable, Sequence
 
 from sealrl.experience.records import RewardRecord, RewardStatus
 from sealrl.rewards.base import BatchRewardFunction, Outcome, RewardFunction, RewardSample, failure_message, score_raw
-from sealrl.rewards.worker import BOOTSTRAP
+from sealrl.rewards.worker import Scorer
+from sealrl.seams.host import HostLostError, ProcessHost
 
 _CLOSE_GRACE_S = 1.0  # how long close() lets idle workers exit before SIGKILL
 
 
 @dataclass(eq=False)
 class _Worker:
-    process: subprocess.Popen
-    conn: Connection
-    started: float
-    ready: bool = False
+    host: ProcessHost
     request: list[RewardSample] | None = None
-    request_id: int = -1              # the id the reply must carry (a pool-wide sequence number)
     deadline: float = math.inf
-    pid: int = 0                      # the pid that said "ready": the only one whose replies count
 
 
 class RewardPool:
@@ -93,7 +85,6 @@ class RewardPool:
         self._scorers: list[_Worker] = []
         self._closed = False
         self._streaming = False   # a ScoreStream is open: its requests hold the workers
-        self._request_ids = itertools.count()
         # Replies refused: for no request the worker holds, or not from the worker's own process
         # (a scorer that forked). Counted, never joined (reward/stray_replies).
         self.stray_replies = 0
@@ -106,7 +97,7 @@ class RewardPool:
                 setup()
             return
         try:
-            self._payload = pickle.dumps(fn)
+            pickle.dumps(fn)
         except Exception as e:
             raise TypeError(f"RewardPool: scorer {fn.name!r} cannot be pickled for worker "
                             f"processes ({type(e).__name__}: {e}); define it at module level or "
@@ -119,7 +110,7 @@ class RewardPool:
     @property
     def worker_pids(self) -> list[int]:
         """Process ids of the current workers (empty inline or after close)."""
-        return [w.process.pid for w in self._scorers]
+        return [w.host.pid for w in self._scorers]
 
     def take_scored(self) -> tuple[dict[str, int], int]:
         """(sample id -> pid of the scorer process whose reply was joined, stray replies refused)
@@ -191,84 +182,78 @@ class RewardPool:
         A busy worker past its deadline is killed and its request recorded as timeout.
         """
         for w in self._scorers:
-            if requests and w.ready and w.request is None:
+            if requests and w.host.ready and w.request is None:
                 self._dispatch(w, requests)
         busy = [w for w in self._scorers if w.request is not None]
-        booting = [w for w in self._scorers if not w.ready]
+        booting = [w for w in self._scorers if not w.host.ready]
         if not busy and not requests and not (until_ready and booting):
             return False
         deadlines = [w.deadline for w in busy]
-        deadlines += [w.started + self.startup_timeout_s for w in booting]
+        deadlines += [w.host.started + self.startup_timeout_s for w in booting]
         timeout = max(0.0, min(deadlines) - time.monotonic()) if block else 0.0
-        by_conn = {w.conn: w for w in busy + booting}
+        by_conn = {w.host.connection(): w for w in busy + booting}
         for conn in wait(list(by_conn), timeout):
             self._receive(by_conn[conn], requests, results)
         now = time.monotonic()
         for w in list(self._scorers):
             if w.request is not None and w.deadline <= now:
                 detail = (f"no result within the {self.timeout_s:g} s deadline"
-                          f"{_batch_note(w.request)}; worker pid {w.process.pid} killed")
+                          f"{_batch_note(w.request)}; worker pid {w.host.pid} killed")
                 self._fail(w, RewardStatus.TIMEOUT, detail, results)
                 self._replace(w)
-            elif not w.ready and w.started + self.startup_timeout_s <= now:
+            elif not w.host.ready and w.host.started + self.startup_timeout_s <= now:
                 self._broken(f"a worker did not start within {self.startup_timeout_s:g} s")
         return True
 
     def _dispatch(self, w: _Worker, requests: deque[list[RewardSample]]) -> None:
         request = requests.popleft()
-        request_id = next(self._request_ids)
         try:
-            w.conn.send((request_id, request))
-        except OSError:  # it died while idle: the request never reached it
+            w.host.submit("score", request)
+        except HostLostError:  # it died while idle: the request never reached it
             requests.appendleft(request)
             self._replace(w)
             return
-        w.request, w.request_id = request, request_id
-        w.deadline = time.monotonic() + self.timeout_s
+        w.request, w.deadline = request, time.monotonic() + self.timeout_s
 
     def _receive(self, w: _Worker, requests: deque[list[RewardSample]],
                  results: dict[str, RewardRecord]) -> None:
         try:
-            kind, payload = w.conn.recv()
-        except (EOFError, OSError):  # the process exited or was killed from outside
-            code = _exit_code(w)
-            if w.request is None and not w.ready:
-                self._broken(f"a worker exited during start-up (exit code {code})")
-            if w.request is not None:
-                detail = (f"worker pid {w.process.pid} died (exit code {code})"
-                          f"{_batch_note(w.request)}")
-                self._fail(w, RewardStatus.ERROR, detail, results)
+            kind, payload = w.host.receive()
+        except HostLostError as e:
+            if e.kind == "start":
+                hint = ("; a scorer defined in the driver's __main__ cannot be imported by a worker, "
+                        "move it to a module") if "__main__" in e.reason else ""
+                self._broken(f"a worker {e.reason}{hint}")
+            if e.kind == "exited" and not w.host.ready:
+                self._broken(f"a worker exited during start-up (exit code {w.host.exitcode()})")
+            if e.kind == "stray":
+                # Refused and counted: a reply that is not the held request's answer from the
+                # worker's own process means another process writes to its pipe (a scorer that
+                # forked). What it holds can no longer be trusted: its request becomes an error.
+                self.stray_replies += 1
+                detail = (f"worker pid {w.host.served_by} sent a reply for a request it does not hold (stray "
+                          f"reply refused; did the scorer fork?){_batch_note(w.request or ())}")
+            else:   # the process exited or was killed from outside
+                detail = f"worker pid {w.host.pid} died (exit code {w.host.exitcode()}){_batch_note(w.request or ())}"
+            self._fail(w, RewardStatus.ERROR, detail, results)
             self._replace(w)
             return
-        if kind == "ready":
-            w.ready, w.pid = True, int(payload)
-        elif kind == "startup_error":
-            hint = ("; a scorer defined in the driver's __main__ cannot be imported by a worker, "
-                    "move it to a module") if "__main__" in payload else ""
-            self._broken(f"a worker could not start the scorer: {payload}{hint}")
-        elif not self._join(w, payload, results):
-            # Refused and counted: a reply that is not the held request's answer from the worker's
-            # own process means another process writes to its pipe (a scorer that forked). What
-            # it holds can no longer be trusted, so its request becomes an error and it is replaced.
-            self.stray_replies += 1
-            if w.request is not None:
-                self._fail(w, RewardStatus.ERROR, f"worker pid {w.pid} sent a reply for a request it "
-                           f"does not hold (stray reply refused; did the scorer fork?){_batch_note(w.request)}",
-                           results)
-            self._replace(w)
+        if kind == "ok":
+            self._join(w, payload, results)
+        elif kind == "error":   # the scoring loop itself failed (score_raw catches the scorer's errors)
+            self._fail(w, RewardStatus.ERROR, f"worker pid {w.host.pid}: {payload}", results)
 
-    def _join(self, w: _Worker, payload: tuple, results: dict[str, RewardRecord]) -> bool:
-        """Take a ("done", (request id, pid, sample ids, outcomes)) reply if it answers exactly the
-        request `w` holds, from `w`'s own process; False (nothing joined) otherwise."""
-        request_id, pid, ids, outcomes = payload
-        if (w.request is None or request_id != w.request_id or pid != w.pid
-                or list(ids) != [s.sample_id for s in w.request] or len(outcomes) != len(ids)):
-            return False
+    def _join(self, w: _Worker, payload: tuple, results: dict[str, RewardRecord]) -> None:
+        """Join a reply (sample ids, outcomes) to the request `w` holds (the host checked that it
+        answers that request, from `w`'s own process)."""
+        ids, outcomes = payload
+        if list(ids) != [s.sample_id for s in w.request] or len(outcomes) != len(ids):
+            raise RuntimeError(f"RewardPool: worker pid {w.host.pid} answered samples {list(ids)[:4]} for "
+                               f"{[s.sample_id for s in w.request][:4]}")
         for sample, outcome in zip(w.request, outcomes):
             results[sample.sample_id] = self._record(outcome)
-            self.scored_by[sample.sample_id] = pid
+            self.scored_by[sample.sample_id] = w.host.served_by
         w.request, w.deadline = None, math.inf
-        return True
 
     def _fail(self, w: _Worker, status: RewardStatus, detail: str,
               results: dict[str, RewardRecord]) -> None:
@@ -286,24 +271,14 @@ class RewardPool:
         return RewardRecord.success(total, name, version, components)
 
     def _spawn(self) -> _Worker:
-        parent_conn, child_conn = mp.Pipe(duplex=True)  # a socketpair
-        fd = child_conn.fileno()
-        # Its own session: a kill takes whatever the scorer forked along with it (_kill). What the
-        # scorer prints goes to stderr: the driver's stdout stays its own (a final JSON line).
-        process = subprocess.Popen([sys.executable, "-c", BOOTSTRAP, str(fd), json.dumps(sys.path),
-                                    str(self.memory_mb)], pass_fds=(fd,), stdin=subprocess.DEVNULL,
-                                   stdout=sys.__stderr__.fileno(), start_new_session=True)
-        child_conn.close()  # only the child holds its end: its death reads as EOF here
-        w = _Worker(process, parent_conn, time.monotonic())
-        try:
-            parent_conn.send(self._payload)  # read by the child once it has booted
-        except OSError:
-            pass  # it died already; _receive reports the EOF as a start-up failure
-        return w
+        """A fresh worker, booting (it takes work once its ready answer is received). What the
+        scorer prints goes to stderr: the driver's stdout stays its own (a final JSON line)."""
+        return _Worker(ProcessHost("reward scorer", functools.partial(Scorer, self.fn), output="stderr",
+                                   memory_mb=self.memory_mb, startup_timeout_s=self.startup_timeout_s,
+                                   wait_ready=False))
 
     def _replace(self, w: _Worker) -> None:
-        _kill(w)
-        self._scorers[self._scorers.index(w)] = self._spawn()
+        self._scorers[self._scorers.index(w)] = _Worker(w.host.respawn(wait_ready=False))
 
     def _broken(self, reason: str) -> None:
         self.close()
@@ -379,36 +354,18 @@ def _batch_note(request: Sequence[RewardSample]) -> str:
     return f" (request of {len(request)} samples)" if len(request) > 1 else ""
 
 
-def _exit_code(w: _Worker) -> int | None:
-    try:
-        return w.process.wait(1.0)
-    except subprocess.TimeoutExpired:  # closed its end but still running
-        return None
-
-
-def _kill(w: _Worker) -> None:
-    try:  # SIGKILL to the worker's session: a hung C extension ignores anything softer, and a
-        os.killpg(w.process.pid, signal.SIGKILL)   # process the scorer forked dies with it
-    except (ProcessLookupError, PermissionError):
-        w.process.kill()
-    w.process.wait()  # reap: no zombie left
-    w.conn.close()
-
-
 def _shutdown(workers: list[_Worker]) -> None:
     """Ask idle workers to exit, SIGKILL whatever is left after a grace period, reap all."""
-    for w in workers:
-        if w.ready and w.request is None:
-            try:
-                w.conn.send(None)
-            except OSError:
-                pass
+    idle = [w for w in workers if w.host.ready and w.request is None]
+    for w in idle:
+        try:
+            w.host.connection().send(None)
+        except OSError:
+            pass
     end = time.monotonic() + _CLOSE_GRACE_S
+    for w in idle:
+        w.host.exitcode(wait_s=max(0.0, end - time.monotonic()))
     for w in workers:
-        if w.ready and w.request is None:
-            try:
-                w.process.wait(max(0.0, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        _kill(w)
+        w.host.kill()
+        w.host.close(grace_s=0.0)
     workers.clear()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from sealrl.placement.process_rollout import GenerationProcessError, ProcessRollout
+from sealrl.placement.process_rollout import ProcessRollout
 from sealrl.sync.adapter import rollout_copy
 from sealrl.trainer.adapters import pinned_base
 from sealrl.trainer.resume.retained import version_manifest
@@ -35,7 +35,7 @@ class ProcessLane:
             # the version the run starts from, exported again and verified there
             state, manifest = rollout_copy(*run.roles.actor.export(), run.cfg.rollout.dtype, run.roles.rollout_base)
             if self.proc.load(state, manifest) != first_version:
-                raise GenerationProcessError(f"generation process (pid {self.proc.pid}) loaded {manifest.version}, "
+                raise RuntimeError(f"generation process (pid {self.proc.pid}) loaded {manifest.version}, "
                                              f"the run starts from {first_version}")
         except BaseException:
             self.proc.close()
