@@ -1,4 +1,5 @@
 import os
+import re
 
 # Idle OpenMP threads spin by default and, on 2 shared cores, slow everything else many-fold.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -48,11 +49,63 @@ def kind(module) -> str:
     return "e2e" if trains else "unit"
 
 
+# Files whose tests start a local Ray (or a Ray test cluster); elsewhere a test with "ray" in its
+# name or parameters, or one that uses a Ray fixture, does. They are marked `ray`: `make test`
+# (scripts/test_lanes.py) runs them in one pytest process, one after another on one shared local
+# Ray, while a second process runs the rest. The Ray runs keep the cores busy; most other tests
+# wait (deadlines, process starts), so the two overlap well, and two Rays never share the machine.
+RAY_FILES = {"test_cluster", "test_feature_matrix", "test_train_group", "test_placement_ray", "test_ray_features",
+             "test_ray_attach"}
+RAY_NAME = re.compile(r"(^|[_\[\]-])ray([_\[\]-]|$)")
+# Files whose tests start a Ray of their own (a test cluster, an attach): the shared local Ray
+# (tests/harness.py:local_ray) is stopped before each of them.
+OWN_RAY_FILES = {"test_cluster", "test_ray_attach"}
+
+
+def _file(item) -> str:
+    return item.nodeid.split("::", 1)[0].rpartition("/")[2].removesuffix(".py")
+
+
+def uses_ray(item) -> bool:
+    return (_file(item) in RAY_FILES or bool({"ray_session", "shared_ray"} & set(item.fixturenames))
+            or bool(RAY_NAME.search(item.nodeid.split("::", 1)[-1].lower())))
+
+
+@pytest.fixture
+def shared_ray():
+    """The process's shared local Ray (tests/harness.py): a run that finds it places its pools on
+    it. Afterwards no placement group of the test may be left on it (else it is stopped, so that
+    the next test starts from a clean one)."""
+    from tests.harness import local_ray, stop_local_ray
+    local_ray()
+    yield
+    from ray.util import placement_group_table
+    if any(pg["state"] != "REMOVED" for pg in placement_group_table().values()):
+        stop_local_ray()
+
+
+@pytest.fixture(autouse=True)
+def _own_ray_alone(request):
+    if _file(request.node) in OWN_RAY_FILES:
+        from tests.harness import stop_local_ray
+        stop_local_ray()
+    yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _stop_shared_ray_at_the_end():
+    yield
+    from tests.harness import stop_local_ray
+    stop_local_ray()
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:   # `pytest -m unit | contract | e2e` selects one kind
         module = getattr(item, "module", None)
         if module is not None:
             item.add_marker(kind(module))
+        if uses_ray(item):
+            item.add_marker("ray")
     import torch
     if torch.cuda.is_available():
         return

@@ -29,3 +29,31 @@ def small_run(out: Path, name: str, *overrides: str) -> tuple[dict, Path]:
     from sealrl.trainer.driver import train
     summary = train(build_config(None, small_args(*overrides, f"run.output_dir={out}", f"run.name={name}")))
     return summary, Path(out) / name
+
+
+# ---- one local Ray for the Ray tests of a process ----------------------------------------------
+_LOCAL_RAY = {"up": False}
+
+
+def local_ray(num_cpus: int = 6) -> None:
+    """The local Ray the Ray tests of this process share, started on first use (a start costs
+    ~4 s and a stop ~1.5 s on 2 cores). A run that finds Ray initialised places its pools on it
+    and leaves it up; `num_cpus` are logical (2 replicas, 2 actor ranks and 2 critic ranks at the
+    most any test asks). tests/conftest.py stops it before a test that starts a Ray of its own,
+    and at the end of the session."""
+    import ray
+
+    from sealrl.placement.workers import init_ray
+    if _LOCAL_RAY["up"] and ray.is_initialized():
+        return
+    if ray.is_initialized():   # someone else's: never share it
+        ray.shutdown()
+    init_ray(num_cpus=num_cpus)
+    _LOCAL_RAY["up"] = True
+
+
+def stop_local_ray() -> None:
+    if _LOCAL_RAY["up"]:
+        import ray
+        ray.shutdown()
+        _LOCAL_RAY["up"] = False

@@ -25,9 +25,10 @@ RAY = ["placement.backend=ray", "placement.rollout_replicas=2", "placement.num_c
 
 
 @pytest.mark.parametrize("placement", ["local", "ray"])
-def test_run_folder_is_complete(tmp_path, tiny_model_dir, placement):
+def test_run_folder_is_complete(tmp_path, tiny_model_dir, placement, request):
     if placement == "ray":
         pytest.importorskip("ray", reason="placement=ray needs ray: pip install 'sealrl[ray]'")
+        request.getfixturevalue("shared_ray")
     summary = train(small_cfg(tmp_path, tiny_model_dir, *(RAY if placement == "ray" else [])))
     run = tmp_path / "e2e"
     for name in ("config.yaml", "run.json", "metrics.jsonl", "ledger.jsonl", "trace.json", "summary.json",

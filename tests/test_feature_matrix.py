@@ -16,7 +16,7 @@ from sealrl.audit import audit_run
 from sealrl.config import build_config
 from sealrl.experience.store import read_iteration
 from sealrl.trainer.driver import train
-from tests.harness import small_args
+from tests.harness import local_ray, small_args
 
 ASYNC = ["rollout.max_staleness=1", "algorithm.old_log_prob=recompute", "algorithm.correction=token_is"]
 FEATURES = {
@@ -45,11 +45,8 @@ BASE = small_args("run.checkpoint_every=1", "data.num_train=64", "eval.num=8", "
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray = pytest.importorskip("ray", reason="placement.backend=ray needs ray (the test extra)")
-    from sealrl.placement.workers import init_ray
-    init_ray(num_cpus=4)   # logical CPUs: 2 replicas and 2 ranks at 0.5 each, PPO's 2 critic ranks
-    yield
-    ray.shutdown()
+    pytest.importorskip("ray", reason="placement.backend=ray needs ray (the test extra)")
+    local_ray()   # the process's shared local Ray (tests/harness.py), left up for the next Ray test
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ import pytest
 
 from sealrl.seams import host as host_module
 from sealrl.seams.host import HostLostError, ProcessHost
+from tests.harness import local_ray
 
 
 class Echo:
@@ -97,13 +98,9 @@ KINDS = [pytest.param(_process("exec"), id="exec"), pytest.param(_process("fork"
 
 @pytest.fixture(scope="module")
 def ray_session():
-    """One local Ray for the module's Ray cases (each places and removes its own pool)."""
-    import ray
-
-    from sealrl.placement.workers import init_ray
-    init_ray(num_cpus=2)
-    yield
-    ray.shutdown()
+    """The process's shared local Ray (tests/harness.py) for the module's Ray cases (each places
+    and removes its own pool)."""
+    local_ray()
 
 
 @pytest.fixture(params=KINDS)

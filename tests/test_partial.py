@@ -358,7 +358,8 @@ def test_streamed_scoring_of_a_switch_run_is_bitwise_the_unstreamed(switch_run, 
 # ---- on a Ray pool of two replicas -----------------------------------------------------------
 
 @pytest.mark.slow
-def test_switch_on_two_ray_replicas_is_bitwise_the_thread_lane_and_replays(switch_run, tmp_path, monkeypatch):
+def test_switch_on_two_ray_replicas_is_bitwise_the_thread_lane_and_replays(switch_run, tmp_path, monkeypatch,
+                                                                            shared_ray):
     """The same forced switches, decided on each replica on the activation the pool sends it
     while that replica samples its shard: the same tokens, token versions and weights as the
     one-process run; its record replays on the pool (every replica waits for the recorded

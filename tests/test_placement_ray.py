@@ -21,6 +21,7 @@ from sealrl.placement.dispatch import generate_by_id
 from sealrl.placement.workers import LocalWorkerGroup, WorkerError, pools_from_config
 from sealrl.roles.rollout import Rollout
 from sealrl.sync.manifest import WeightSyncError, build_manifest
+from tests.harness import stop_local_ray
 
 
 def sync_weights(group, state, manifest):
@@ -182,6 +183,7 @@ def ray_pool(objects):
         pytest.skip(f"ray cannot be imported ({e}); install it with pip install 'sealrl[ray]'")
     from sealrl.placement.workers import RayPool, RayWorkerGroup, init_ray
     model, tok = objects[0], objects[1]
+    stop_local_ray()   # this module's own Ray: its processes are checked gone after it stops
     init_ray(num_cpus=2)
     try:
         # actor and rollout colocated: worker k of each on bundle k, half a CPU each

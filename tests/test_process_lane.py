@@ -1,8 +1,9 @@
-"""rollout.lane=process: generation in its own process (placement/process_rollout.py,
-trainer/variants/process_lane.py). The fixed-lag schedule is the thread lane's, so a run is bitwise the
-same (k = 1; and k = 0 through the lane is the synchronous run); weights reach the process
-through the verified sync and load while it samples; a process that dies or hangs is a named
-error in the training lane, never a wait without end."""
+"""rollout.lane=process: generation in its own process (a rollout pool of one worker on a
+process host: placement/process_group.py, trainer/variants/process_lane.py). The fixed-lag
+schedule is the thread lane's, so a run is bitwise the same (k = 1; and k = 0 through the lane is
+the synchronous run); weights reach the process through the verified sync and load while it
+samples; a process that dies is replaced and the run goes on bitwise; one that hangs, or cannot
+be replaced, is a named error, never a wait without end."""
 import functools
 import json
 import os
@@ -15,7 +16,9 @@ from sealrl.audit import audit_run
 from sealrl.config import ConfigError, build_config, check_config
 from sealrl.experience import SamplingContract
 from sealrl.experience.wire import GenerationRequest
-from sealrl.placement.process_rollout import ProcessRollout
+from sealrl.placement.process_group import ProcessWorkerGroup
+from sealrl.placement.rollout_pool import RolloutPool
+from sealrl.placement.workers import WorkerError
 from sealrl.roles.rollout import Rollout
 from sealrl.seams import host
 from sealrl.seams.host import HostLostError
@@ -45,13 +48,22 @@ class SlowRollout(Rollout):
 
 
 class DyingRollout(Rollout):
-    """In the generation process, exits with code 7 at its SEALRL_TEST_DIE_AT-th generate call."""
+    """In a generation process, exits with code 7 at its SEALRL_TEST_DIE_AT-th generate call; with
+    SEALRL_TEST_DIED (a file) set, it leaves that file behind and no later process starts."""
     calls = 0
+
+    def __init__(self, *args, **kwargs):
+        marker = os.environ.get("SEALRL_TEST_DIED")
+        if host.HOSTED and marker and os.path.exists(marker):
+            raise RuntimeError("a generation process died before: this one refuses to start")
+        super().__init__(*args, **kwargs)
 
     def generate(self, *args, **kwargs):
         if host.HOSTED:
             DyingRollout.calls += 1
             if DyingRollout.calls == int(os.environ["SEALRL_TEST_DIE_AT"]):
+                if os.environ.get("SEALRL_TEST_DIED"):
+                    open(os.environ["SEALRL_TEST_DIED"], "w").close()
                 os._exit(7)
         return super().generate(*args, **kwargs)
 
@@ -92,14 +104,31 @@ def test_k0_through_the_process_lane_is_bitwise_the_synchronous_run(tmp_path, mo
 
 # ---- failures are named ---------------------------------------------------------------------
 
-def test_a_generation_process_that_dies_is_a_named_error_in_the_training_lane(tmp_path, monkeypatch):
+def test_a_generation_process_that_dies_is_replaced_and_the_run_is_bitwise_the_thread_lane(tmp_path, monkeypatch):
+    args = ("rollout.max_staleness=1", "run.iterations=6", *ASYNC)
+    thread, thread_run = _train(tmp_path / "thread", "dies", *args)
+    monkeypatch.setattr(trainer_setup, "Rollout", DyingRollout)
+    monkeypatch.setenv("SEALRL_TEST_DIE_AT", "3")   # each process dies at its third generate call
+    proc, proc_run = _train(tmp_path / "proc", "dies", "rollout.lane=process", *args)
+    assert proc["weights_hash"] == thread["weights_hash"]
+    assert _files(proc_run) == _files(thread_run)   # the same sealed experience, iteration by iteration
+    replaced = sum(json.loads(x).get("rollout/replica_replacements", 0.0)
+                   for x in (proc_run / "metrics.jsonl").read_text().splitlines())
+    assert replaced >= 1
+    assert audit_run(proc_run).ok
+
+
+def test_a_generation_process_that_cannot_be_replaced_is_a_named_error_in_the_training_lane(tmp_path,
+                                                                                              monkeypatch):
     monkeypatch.setattr(trainer_setup, "Rollout", DyingRollout)
     monkeypatch.setenv("SEALRL_TEST_DIE_AT", "3")   # iterations 0 and 1 generate, iteration 2 kills it
+    monkeypatch.setenv("SEALRL_TEST_DIED", str(tmp_path / "died"))   # and no replacement starts
     t0 = time.perf_counter()
-    with pytest.raises(HostLostError, match=r"generation process \(pid \d+\) exited with code 7 "
-                                                     r"during generate"):
+    with pytest.raises(HostLostError, match=r"rollout worker 0 \(pid \d+\) could not start: RuntimeError: a "
+                                            r"generation process died before") as e:
         _train(tmp_path, "dies", "rollout.max_staleness=1", "rollout.lane=process", "run.iterations=6", *ASYNC)
-    assert time.perf_counter() - t0 < 120   # raised, not waited on
+    assert e.value.kind == "start"   # the replacement of the process that died
+    assert time.perf_counter() - t0 < 180   # raised, not waited on
     ledger = (tmp_path / "dies" / "ledger.jsonl").read_text()
     assert '"iteration": 1' in ledger and '"iteration": 2' not in ledger   # nothing of the iteration it died in
 
@@ -116,10 +145,16 @@ REQ = [GenerationRequest("r/0/p", (1, 2, 3), 7, (0, 1))]
 CONTRACT = SamplingContract(max_new_tokens=3)
 
 
+def _pool(factory, timeout_s: float, max_replacements: int = 1) -> RolloutPool:
+    return RolloutPool(ProcessWorkerGroup("rollout", factory, 1, timeout_s=timeout_s), timeout_s=timeout_s,
+                       max_replacements=max_replacements)
+
+
 @pytest.fixture(scope="module")
 def proc(weights):
     model, tok, _ = weights
-    p = ProcessRollout(functools.partial(SlowRollout, model, tok), threads=1, retain=2, timeout_s=60)
+    p = _pool(functools.partial(SlowRollout, model, tok), timeout_s=60)
+    p.retain(2)
     yield p
     p.close()
 
@@ -132,10 +167,10 @@ def test_the_process_verifies_every_checksum_and_activates_nothing_on_a_bad_tens
         state, "r", 0, 0, "", "")))   # the same samples as in this process, bit for bit
     name = next(iter(state))
     bad = dict(state, **{name: state[name] + 1})
-    with pytest.raises(WeightSyncError) as e:
+    with pytest.raises(WorkerError) as e:
         proc.load(bad, build_manifest(state, "r", 1, 0, "", ""))   # the manifest of the true weights
-    assert e.value.tensor == name
-    assert proc.version == v0 and proc.failed is None   # still serving v0
+    assert isinstance(e.value.cause, WeightSyncError) and e.value.cause.tensor == name and not e.value.lost
+    assert proc.version == v0 and proc.group.actors[0].lost is None   # still serving v0
     assert len(proc.generate(REQ, CONTRACT, v0)) == 2
 
 
@@ -144,7 +179,7 @@ def test_a_publication_loads_while_the_process_samples_with_the_retained_version
     in the process, and that call's samples are v0's."""
     model, tok, state = weights
     proc.retain(2)
-    proc._call("set_delay", 3.0)
+    proc.group.call("set_delay", 3.0)
     try:
         v0 = proc.load(state, build_manifest(state, "r", 0, 0, "", ""))
         out, done = {}, {}
@@ -163,28 +198,29 @@ def test_a_publication_loads_while_the_process_samples_with_the_retained_version
         assert proc.version == v1
         assert {s.policy_version for s in out["samples"]} == {v0}
     finally:
-        proc._call("set_delay", 0.0)
+        proc.group.call("set_delay", 0.0)
 
 
 def test_a_process_past_its_deadline_is_stopped_and_named(weights):
     model, tok, state = weights
-    proc = ProcessRollout(functools.partial(SlowRollout, model, tok, delay=30.0), threads=1, timeout_s=10)
+    proc = _pool(functools.partial(SlowRollout, model, tok, delay=30.0), timeout_s=6, max_replacements=0)
     try:
         v0 = proc.load(state, build_manifest(state, "r", 0, 0, "", ""))
         t0 = time.perf_counter()
-        with pytest.raises(HostLostError, match=r"missed the deadline of 10 s during generate; it was killed"):
+        with pytest.raises(WorkerError, match=r"missed the deadline of 6 s during generate; it was killed") as e:
             proc.generate(REQ, CONTRACT, v0)
-        assert time.perf_counter() - t0 < 25
-        with pytest.raises(HostLostError, match="missed the deadline"):   # and every later call
+        assert e.value.lost and time.perf_counter() - t0 < 20
+        with pytest.raises(WorkerError) as again:   # and every later call: the same named loss
             proc.load(state, build_manifest(state, "r", 1, 0, "", ""))
+        assert again.value.cause is e.value.cause
     finally:
         proc.close()
 
 
 def test_a_role_that_cannot_be_built_there_is_raised_here_and_the_process_is_gone():
     # Rollout(None, None): the engine reads model.config
-    with pytest.raises(HostLostError, match=r"generation process \(pid \d+\) could not start: AttributeError") as e:
-        ProcessRollout(functools.partial(Rollout, None, None), threads=1, timeout_s=60)
+    with pytest.raises(HostLostError, match=r"rollout worker 0 \(pid \d+\) could not start: AttributeError") as e:
+        _pool(functools.partial(Rollout, None, None), timeout_s=60)
     assert e.value.kind == "start" and isinstance(e.value.__cause__, AttributeError)
     with pytest.raises(ProcessLookupError):   # killed and reaped
         os.kill(e.value.pid, 0)

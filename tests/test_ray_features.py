@@ -52,7 +52,7 @@ def _run(root, model_dir, *extra: str):   # one run name, so the two runs' sampl
 
 
 @pytest.mark.parametrize("feature", list(FEATURES))
-def test_a_feature_on_ray_replicas_gives_the_local_run_and_audits(tmp_path, tiny_model_dir, feature):
+def test_a_feature_on_ray_replicas_gives_the_local_run_and_audits(tmp_path, tiny_model_dir, feature, shared_ray):
     local, local_dir = _run(tmp_path / "local", tiny_model_dir, *FEATURES[feature])
     remote, ray_dir = _run(tmp_path / "ray", tiny_model_dir, *FEATURES[feature], *RAY, *RAY_ONLY.get(feature, []))
     for it in range(ITERATIONS):   # the same samples, sampled by the same versions

@@ -206,10 +206,12 @@ def recorded_takes(monkeypatch) -> list[tuple[int, int]]:
                                           ("penalty", (*ASYNC, "rollout.lane=process")),   # rows over the pipe
                                           pytest.param("penalty", RAY, marks=pytest.mark.slow)],
                          ids=["penalty", "retry", "async", "process", "ray"])
-def test_streamed_run_is_bitwise_the_unstreamed_run(tmp_path, monkeypatch, policy, extra):
+def test_streamed_run_is_bitwise_the_unstreamed_run(tmp_path, monkeypatch, policy, extra, request):
     """Same weights, sealed experience (records with their error messages) and metrics; the
     erroring reward's samples are error records (penalised or retried) in both; and the
     streamed run's first scoring attempts did take every record from the stream."""
+    if extra is RAY:
+        request.getfixturevalue("shared_ray")
     (tmp_path / "rew.py").write_text(REWARD)
     takes = recorded_takes(monkeypatch)
     runs = {}

@@ -32,7 +32,6 @@ import torch
 from sealrl.experience.records import SamplingContract
 from sealrl.experience.wire import RolloutSample
 from sealrl.models.lora import adapter_scaling, adapter_state, apply_lora, base_state
-from sealrl.placement.process_rollout import ProcessRollout
 from sealrl.roles.rollout import Rollout
 from sealrl.rollout import RolloutEngine, kv_meter
 from sealrl.rollout.episodes import EpisodeSpec
@@ -40,6 +39,7 @@ from sealrl.seams.host import HostLostError
 from sealrl.seams.rollout import CLIENTS, Capabilities, MissingCapability, missing_members
 from sealrl.sync.adapter import build_adapter_manifest
 from sealrl.sync.manifest import WeightSyncError, build_manifest
+from tests.harness import local_ray
 from tests.test_lora import LORA
 from tests.test_placement_ray import setup_objects
 
@@ -62,20 +62,29 @@ def _engine(request, model, tok, **kw):
 
 
 def _process(request, model, tok, **kw):
-    return ProcessRollout(functools.partial(Rollout, model, tok, **kw), threads=1, timeout_s=120)
+    from sealrl.placement.process_group import ProcessWorkerGroup
+    from sealrl.placement.rollout_pool import RolloutPool
+    group = ProcessWorkerGroup("rollout", functools.partial(Rollout, model, tok, **kw), 1, timeout_s=120)
+    return RolloutPool(group, timeout_s=120)   # as trainer/variants/process_lane.py builds it
 
 
 def _kill_process(client) -> None:
-    os.kill(client.pid, signal.SIGKILL)
-    client.host.exitcode(wait_s=30)
+    host = client.group.actors[0]
+    os.kill(host.pid, signal.SIGKILL)
+    host.exitcode(wait_s=30)
 
 
 def _process_lost(client, requests, version, want) -> None:
-    with pytest.raises(HostLostError, match=rf"generation process \(pid {client.pid}\) exited with code -9"):
+    from sealrl.placement.workers import WorkerError
+    pid = client.group.pids[0]
+    client.max_replacements = 0
+    died = rf"rollout worker 0 \(pid {pid}\) exited with code -9 (before|during) generate"
+    with pytest.raises(WorkerError, match=died) as e:
         client.generate(requests, CONTRACT, version)
-    with pytest.raises(HostLostError) as again:   # every later call: the same named error
-        client.load({}, None)
-    assert again.value is client.failed
+    assert e.value.lost and isinstance(e.value.cause, HostLostError)
+    client.max_replacements = 1   # the pool replaces it: a fresh process, the active version verified
+    assert_same_records(client.generate(requests, CONTRACT, version), want)
+    assert len(client.take_recoveries()) == 1 and client.group.pids[0] != pid
 
 
 def _ray_pool(request, model, tok, **kw):
@@ -112,17 +121,15 @@ FACTORIES = [
 
 @pytest.fixture(scope="module")
 def ray_session():
-    """One local Ray (2 CPUs) and a resource pool for 2 replicas, for the module; each bundle holds
-    two replicas (the roles of a colocated pool split it), the module's client and one more."""
-    import ray
-
-    from sealrl.placement.workers import RayPool, init_ray, pools_from_config
-    init_ray(num_cpus=2)
+    """The process's shared local Ray (tests/harness.py) and a resource pool for 2 replicas, for
+    the module; each bundle holds two replicas (the roles of a colocated pool split it), the
+    module's client and one more."""
+    from sealrl.placement.workers import RayPool, pools_from_config
+    local_ray()
     pool = RayPool(pools_from_config({"train": {"roles": ["actor", "rollout"], "num_workers": 2,
                                                 "num_cpus_per_worker": 0.5}})["rollout"])
     yield pool
     pool.close()
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

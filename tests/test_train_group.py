@@ -23,7 +23,7 @@ from sealrl.placement.train_group import ActorGroup, ActorRank, join_rows
 from sealrl.placement.workers import LocalWorkerGroup
 from sealrl.roles.actor import Actor
 from sealrl.trainer.driver import train
-from tests.harness import small_args
+from tests.harness import local_ray, small_args
 from tests.test_placement_dp import HORIZON, V0, make_batch, make_model, max_diff
 
 ARGS = small_args("run.checkpoint_every=1", "data.num_train=64", "eval.num=8", "data.prompts_per_iter=3",
@@ -40,11 +40,8 @@ PPO = ["algorithm.name=ppo", "run.iterations=1", "critic.lr=3e-4"]
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray = pytest.importorskip("ray", reason="data-parallel roles need ray: pip install 'sealrl[ray]'")
-    from sealrl.placement.workers import init_ray
-    init_ray(num_cpus=6)   # logical CPUs: 1 rollout replica + 2 actor + 2 critic ranks
-    yield
-    ray.shutdown()
+    pytest.importorskip("ray", reason="data-parallel roles need ray: pip install 'sealrl[ray]'")
+    local_ray()   # the process's shared local Ray (tests/harness.py), left up for the next Ray test
 
 
 def run(tmp_path, name, *extra):

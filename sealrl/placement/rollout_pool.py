@@ -55,6 +55,7 @@ class RolloutPool:
         # (shared state, manifest) of the versions every replica holds: the pool's own slots (sync/versions.py)
         self.versions: VersionSlots[tuple[Any, WeightManifest]] = VersionSlots()
         self._base: tuple[Any, WeightManifest] | None = None   # LoRA: the pinned base, shared once
+        self._backend: tuple[str, str] | None = None   # what the replicas said after the last load
         self._lock = threading.RLock()   # a load or a replacement at a time (module docstring)
 
     @property
@@ -67,9 +68,16 @@ class RolloutPool:
 
     @property
     def backend(self) -> tuple[str, str]:
-        """(forward backend, dtype) every replica samples with; replicas that differ are an error."""
+        """(forward backend, dtype) every replica samples with, as they said after the last load
+        (asked then, so that reading it never waits for a generation, nor fails with a replica
+        that dies meanwhile); replicas that differ are an error."""
         with self._lock:
-            held = self.group.attr("backend", timeout_s=self.timeout_s)
+            if self._backend is None:
+                self._backend = self._ask_backend()
+            return self._backend
+
+    def _ask_backend(self) -> tuple[str, str]:
+        held = self.group.attr("backend", timeout_s=self.timeout_s)
         if any(b != held[0] for b in held):
             raise ReplicaVersionError(f"rollout replicas use different backends: {held}")
         return held[0]
@@ -97,6 +105,7 @@ class RolloutPool:
         # every replica verified v: the commit point (a replica replaced from here on loads v)
         self.versions.activate(self.versions.stage(manifest.version, lambda: (shared, manifest)))
         activate_all(self.group, manifest.version, self.timeout_s, replace=self._replace)
+        self._backend = self._ask_backend()
         self.history.append(("load", manifest.version.id))
         return manifest.version
 
@@ -168,6 +177,15 @@ class RolloutPool:
             hashes = self.group.call("pin_base", shared, manifest, timeout_s=self.timeout_s)
             self._base = (shared, manifest)
             return hashes[0]
+
+    def last_loaded(self) -> tuple[Any, WeightManifest] | None:
+        """The active version's state and manifest (to bring another rollout to it), or None."""
+        active = self.versions.active
+        if active is None:
+            return None
+        shared, manifest = active.held
+        fetch = getattr(self.group, "fetch", None)   # a process group's bytes, read back
+        return (fetch(shared) if fetch is not None else shared), manifest
 
     def take_recoveries(self) -> list[float]:
         """Seconds each replica replacement took (start a fresh one, load the active version

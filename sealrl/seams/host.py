@@ -6,8 +6,8 @@
     host.respawn()                                     # a fresh host from the same factory
     host.close()
 
-Users: the generation lane (placement/process_rollout.py: two channels, generation and weight
-loading, so a load never waits for a generation), the reward scorer pool (rewards/pool.py: one
+Users: the generation lane (placement/process_group.py: a rollout pool of one worker with two
+channels, so a weight load never waits for a generation), the reward scorer pool (rewards/pool.py: one
 host per scorer, many waited on at once) and the tool worker of multi-turn environments
 (envs/tools.py). Roles on other machines run on Ray hosts (placement/workers.py), which keep the
 same rule: a host that is gone raises one named error.
@@ -153,16 +153,19 @@ class ProcessHost:
                 raise
 
     # ---- calls ---------------------------------------------------------------------------------
-    def call(self, method: str, *args, channel: int = 0, timeout_s: float, stream: Callable | None = None,
-             **kwargs) -> Any:
+    def call(self, method: str, *args, channel: int | None = 0, timeout_s: float, stream: Callable | None = None,
+             during: str | None = None, **kwargs) -> Any:
         """`method(*args, **kwargs)` on the role, answered within `timeout_s`; `stream(value)`:
         the role is called with a `stream` function whose values arrive here, in this thread,
-        before the answer. Calls on one channel run one after another."""
-        with self._locks[channel]:
-            self.submit(method, *args, channel=channel, stream=stream is not None, **kwargs)
+        before the answer. Calls on one channel run one after another; `channel=None` takes a
+        free one (or waits for channel 0), so up to `channels` calls run at once. `during`: how
+        a loss names the call (default: `method`)."""
+        channel = self._take(channel)
+        try:
+            self.submit(method, *args, channel=channel, stream=stream is not None, during=during, **kwargs)
             deadline = time.monotonic() + timeout_s
             while True:
-                kind, value = self.receive(channel, max(0.0, deadline - time.monotonic()), method,
+                kind, value = self.receive(channel, max(0.0, deadline - time.monotonic()), during or method,
                                            deadline_s=timeout_s)
                 if kind == "stream":
                     stream(value)
@@ -170,18 +173,32 @@ class ProcessHost:
                     raise value
                 elif kind == "ok":
                     return value
+        finally:
+            self._locks[channel].release()
 
-    def submit(self, method: str, *args, channel: int = 0, stream: bool = False, **kwargs) -> int:
+    def _take(self, channel: int | None) -> int:
+        if channel is not None:
+            self._locks[channel].acquire()
+            return channel
+        for c, lock in enumerate(self._locks):
+            if lock.acquire(blocking=False):
+                return c
+        self._locks[0].acquire()
+        return 0
+
+    def submit(self, method: str, *args, channel: int = 0, stream: bool = False, during: str | None = None,
+               **kwargs) -> int:
         """Send one call (its answer comes from `receive`); returns its id."""
+        during = during or method
         self._check()
         call_id = next(self._ids)
         try:
             self._conns[channel].send((call_id, method, args, kwargs, stream))
         except (OSError, ValueError) as e:
             if self.exitcode(wait_s=5.0) is not None:   # a broken pipe: the process is gone
-                self._lose("exited", f"exited with code {self.exitcode()} before {method}")
-            self._lose("unreachable", f"cannot be reached for {method} ({type(e).__name__}: {e})")
-        self._expect[channel], self._during[channel] = call_id, method
+                self._lose("exited", f"exited with code {self.exitcode()} before {during}")
+            self._lose("unreachable", f"cannot be reached for {during} ({type(e).__name__}: {e})")
+        self._expect[channel], self._during[channel] = call_id, during
         return call_id
 
     def receive(self, channel: int = 0, timeout_s: float = 0.0, during: str | None = None,

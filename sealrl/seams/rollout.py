@@ -2,8 +2,9 @@
 client can do, as data (DESIGN section 11; docs/architecture.md, "The rollout seam").
 
 Clients: the in-process engine (`roles/rollout.Rollout`), the generation process
-(`placement/process_rollout.ProcessRollout`, rollout.lane=process) and the Ray replica pool
-(`placement/rollout_pool.RolloutPool`, placement.backend=ray). Two wrappers pass the protocol
+(rollout.lane=process: a `placement/rollout_pool.RolloutPool` of one worker on a process host,
+`placement/process_group.py`) and the Ray replica pool (the same RolloutPool over Ray actors,
+placement.backend=ray). Two wrappers pass the protocol
 through: `trainer/variants/partial.SwitchingRollout` (rollout.partial=switch) and the fault-drill
 wrapper (`trainer/drills.py`). The wire they speak is `experience/wire.py`.
 
@@ -61,8 +62,8 @@ CLIENTS = {
     "engine": ClientKind("the in-process engine (roles/rollout.py)", Capabilities(
         streams_finished_rows=True, switches_versions=True, multi_turn=True, bounded_rows=True,
         retained_versions=True, loads_while_generating=True, lora_adapters=True)),
-    # a streamed generate sends finished rows ahead of its answer; the pinned base goes over the weights pipe
-    "process": ClientKind("the generation process (placement/process_rollout.py)", Capabilities(
+    # the replica pool below with one worker on a process host (placement/process_group.py)
+    "process": ClientKind("the generation process (a pool of one: placement/process_group.py)", Capabilities(
         streams_finished_rows=True, switches_versions=True, multi_turn=True, bounded_rows=True,
         retained_versions=True, loads_while_generating=True, lora_adapters=True)),
     # replicas activate each version together (and retain the last k); each replica stages a

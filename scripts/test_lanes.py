@@ -1,0 +1,48 @@
+"""`make test`: the suite in two pytest processes at once, one lane for the tests that start Ray
+(marked `ray` by tests/conftest.py; they run one after another on one shared local Ray) and one
+for the rest. The Ray runs keep both cores busy; most of the rest waits (deadlines, process
+starts, sandboxes), so the lanes overlap well: on 2 cores the suite takes about two thirds of
+one serial run (docs/benchmarks.md, "Test suite").
+
+Each lane writes its own log (shown when it ends, the Ray lane's last); the exit status is
+the first failing lane's (pytest's: 1 failed tests, 5 no tests collected). Extra arguments go
+to both lanes' pytest (e.g. `-x`, `--timeout 900`).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LANES = {"ray": ["-m", "ray"], "rest": ["-m", "not ray"]}
+
+
+def main(extra: list[str]) -> int:
+    logs = Path(tempfile.mkdtemp(prefix="sealrl-test-lanes-"))
+    start = time.monotonic()
+    procs = {}
+    for name, select in LANES.items():
+        out = (logs / f"{name}.log").open("w")
+        procs[name] = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *select,
+                                        *extra, "tests"], stdout=out, stderr=subprocess.STDOUT)
+    print(f"make test: two lanes ({', '.join(LANES)}), logs in {logs}", flush=True)
+    codes: dict[str, int] = {}
+    while len(codes) < len(procs):
+        for name, proc in procs.items():
+            if name not in codes and proc.poll() is not None:
+                codes[name] = proc.returncode
+                print(f"\n==== lane {name}: exit {proc.returncode} after {time.monotonic() - start:.0f} s ====",
+                      flush=True)
+                sys.stdout.write((logs / f"{name}.log").read_text())
+                sys.stdout.flush()
+        time.sleep(1.0)
+    failed = [name for name in LANES if codes[name] != 0]
+    print(f"\nmake test: {time.monotonic() - start:.0f} s; " +
+          ("every lane passed" if not failed else f"failed lanes: {', '.join(failed)}"), flush=True)
+    return codes[failed[0]] if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
