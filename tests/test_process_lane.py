@@ -121,7 +121,7 @@ def test_a_generation_process_that_dies_is_replaced_and_the_run_is_bitwise_the_t
 def test_a_generation_process_that_cannot_be_replaced_is_a_named_error_in_the_training_lane(tmp_path,
                                                                                               monkeypatch):
     monkeypatch.setattr(trainer_setup, "Rollout", DyingRollout)
-    monkeypatch.setenv("SEALRL_TEST_DIE_AT", "3")   # iterations 0 and 1 generate, iteration 2 kills it
+    monkeypatch.setenv("SEALRL_TEST_DIE_AT", "4")   # evaluation, iterations 0 and 1 generate, iteration 2 kills it
     monkeypatch.setenv("SEALRL_TEST_DIED", str(tmp_path / "died"))   # and no replacement starts
     t0 = time.perf_counter()
     with pytest.raises(HostLostError, match=r"rollout worker 0 \(pid \d+\) could not start: RuntimeError: a "

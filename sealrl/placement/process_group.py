@@ -64,6 +64,7 @@ class ProcessWorkerGroup:
         self.role, self.num_workers, self.timeout_s = role, num_workers, timeout_s
         self._factory, self._concurrency = functools.partial(_Hosted, factory, threads), concurrency
         self.restarts = 0
+        self.unreplaced: HostLostError | None = None   # a replacement that could not start
         self.actors: list[ProcessHost] = []   # the hosts (a pool tells a replaced worker by its handle)
         try:
             for k in range(num_workers):
@@ -143,8 +144,13 @@ class ProcessWorkerGroup:
         return _read(shared)
 
     def restart(self, k: int, timeout_s: float | None = None) -> None:
-        """A fresh worker k from the factory (the lost one killed); the caller brings its state back."""
-        self.actors[k] = self.actors[k].respawn()
+        """A fresh worker k from the factory (the lost one killed); the caller brings its state
+        back. One that cannot start is kept in `unreplaced` (and raised)."""
+        try:
+            self.actors[k] = self.actors[k].respawn()
+        except HostLostError as e:
+            self.unreplaced = e
+            raise
         self.restarts += 1
 
     def kill(self, k: int) -> None:

@@ -55,7 +55,7 @@ class RolloutPool:
         # (shared state, manifest) of the versions every replica holds: the pool's own slots (sync/versions.py)
         self.versions: VersionSlots[tuple[Any, WeightManifest]] = VersionSlots()
         self._base: tuple[Any, WeightManifest] | None = None   # LoRA: the pinned base, shared once
-        self._backend: tuple[str, str] | None = None   # what the replicas said after the last load
+        self._backends: list | None = None   # what the replicas said after the last load
         self._lock = threading.RLock()   # a load or a replacement at a time (module docstring)
 
     @property
@@ -72,12 +72,9 @@ class RolloutPool:
         (asked then, so that reading it never waits for a generation, nor fails with a replica
         that dies meanwhile); replicas that differ are an error."""
         with self._lock:
-            if self._backend is None:
-                self._backend = self._ask_backend()
-            return self._backend
-
-    def _ask_backend(self) -> tuple[str, str]:
-        held = self.group.attr("backend", timeout_s=self.timeout_s)
+            if self._backends is None:
+                self._backends = self.group.attr("backend", timeout_s=self.timeout_s)
+            held = self._backends
         if any(b != held[0] for b in held):
             raise ReplicaVersionError(f"rollout replicas use different backends: {held}")
         return held[0]
@@ -105,7 +102,7 @@ class RolloutPool:
         # every replica verified v: the commit point (a replica replaced from here on loads v)
         self.versions.activate(self.versions.stage(manifest.version, lambda: (shared, manifest)))
         activate_all(self.group, manifest.version, self.timeout_s, replace=self._replace)
-        self._backend = self._ask_backend()
+        self._backends = self.group.attr("backend", timeout_s=self.timeout_s)
         self.history.append(("load", manifest.version.id))
         return manifest.version
 

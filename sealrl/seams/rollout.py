@@ -104,11 +104,11 @@ def switching(caps: Capabilities) -> Capabilities:
 
 
 def selected_client(cfg) -> tuple[str, str]:
-    """(CLIENTS key, the setting that selects it) for a run's config: the generation lane's
-    client (its evaluation and first version are always in this process or on the pool)."""
+    """(CLIENTS key, the setting that selects it) for a run's config: the run's rollout client
+    (every generate call, evaluations included, and every version loaded go to it)."""
     if cfg.placement.backend == "ray":
         return "ray_pool", "placement.backend=ray"
-    if cfg.rollout.max_staleness and cfg.rollout.lane == "process":
+    if cfg.rollout.lane == "process":
         return "process", "rollout.lane=process"
     return "engine", f"placement.backend={cfg.placement.backend}"
 

@@ -39,6 +39,7 @@ from sealrl.experience.wire import RolloutSample
 from sealrl.trainer.collect import decode_and_score, generate
 from sealrl.trainer.iteration_metrics import rollout_metrics, stage_io_metrics
 from sealrl.trainer.ledger import IterationLedger, new_iteration
+from sealrl.trainer.variants import process_lane
 from sealrl.trainer.variants.episodes import episode_metrics
 from sealrl.trainer.variants.partial import lane_run, sample_versions
 from sealrl.trainer.variants.streaming import early_scores
@@ -171,7 +172,7 @@ class Pipeline:
         self._positions: dict[int, dict] = {}   # iteration -> sampler state before its prompts
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, self.bound))
         self._stop = False
-        self._thread = self._process = None
+        self._thread = None
         for it, (version, weights) in sorted(self.recalled.items()):   # the lag continues across a resume
             self.publish(it, version, weights)
         self.publish(self.start, self.first_version, self.run.last_weights)
@@ -181,9 +182,6 @@ class Pipeline:
             if self.run.cfg.rollout.lane == "process" and self.run.cfg.placement.backend == "ray":
                 print("sealrl: rollout.lane=process on Ray: the replicas are the generation processes; the lane "
                       "drives them from a thread", file=sys.stderr, flush=True)
-            elif self.run.cfg.rollout.lane == "process":   # generation in its own process: process_lane.py
-                from sealrl.trainer.variants.process_lane import ProcessLane
-                self._process = ProcessLane(self.run, self.first_version, self.bound + 1, self.recalled)
             self._thread = threading.Thread(target=self._lane, name="sealrl-generation", daemon=True)
             self._thread.start()
 
@@ -252,14 +250,15 @@ class Pipeline:
                 with self._rollout_lock:
                     lane.timer.start_iteration(it)
                     p = produce(lane_run(lane, *self._plan(it)), it, self._prompts(it), version)
-                    if self._process is not None:
-                        self._process.check()
+                    lost = process_lane.loss(self.run.roles.rollout)
+                    if lost is not None:   # rollout.lane=process: a process that could not be replaced
+                        raise lost
                 p.timer, lane.timer = lane.timer, self.run.timer.lane()
                 self._put(p)
         except _Stopped:
             return
         except BaseException as e:  # noqa: BLE001 - re-raised in the training lane by get()
-            self._put(e if self._process is None else self._process.failure(e), force=True)
+            self._put(process_lane.loss(self.run.roles.rollout) or e, force=True)
 
     def _plan(self, it: int) -> tuple:
         """A replay of partial rollouts: iteration `it`'s recorded switches (first token -> the
@@ -267,7 +266,7 @@ class Pipeline:
         version ({} = none); () outside a replay: the clock decides (trainer/variants/partial.py)."""
         if self.schedule is None:
             return ()
-        if self._process is not None or self.run.cfg.placement.backend == "ray":
+        if self.run.cfg.rollout.lane == "process" or self.run.cfg.placement.backend == "ray":
             # the generation process, or each replica, waits for the recorded versions themselves
             return getattr(self.schedule, "targets", {}).get(it, {}), None
         return getattr(self.schedule, "switches", {}).get(it, {}), self._wait_version
@@ -298,8 +297,6 @@ class Pipeline:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join()
-        if self._process is not None:
-            self._process.close()
 
 
 @contextmanager

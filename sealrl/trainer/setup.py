@@ -182,7 +182,6 @@ class Roles:
     tokenizer: object
 
     closers: list = field(default_factory=list)   # placement resources, closed last
-    rollout_factory: object = None   # local placement: builds the rollout role anew (rollout.lane=process)
     rollout_base: str | None = None  # LoRA: the hash of the base the rollout pinned (in rollout.dtype)
 
     def workers(self) -> dict[str, str]:
@@ -196,6 +195,9 @@ class Roles:
             role = getattr(self, name)
             n = getattr(role, "num_workers", None) or getattr(getattr(role, "group", None), "num_workers", None)
             out[name] = f"{n} Ray actors ({name} 0..{n - 1})" if n else here
+        pids = getattr(getattr(self.rollout, "group", None), "pids", None)
+        if pids:   # rollout.lane=process
+            out["rollout"] = f"pid {pids[0]} (generation process)"
         return out
 
     def close(self) -> None:
@@ -242,11 +244,13 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
         episodes = episode_spec(cfg)
         rows = (cfg.rollout.max_rows, True)   # rollout/scheduler.py: rows admitted as others finish
         vllm = vllm_options(cfg)   # None: the native engine
-        rollout = Rollout(template, tokenizer, cfg.rollout.device, episodes=episodes, rows=rows, vllm=vllm) \
-            if cfg.placement.backend == "local" else \
-            ray_rollout_pool(cfg, template, tokenizer, closers, shared, episodes, vllm)
-        if cfg.placement.backend == "local":   # the local role's tool worker and vLLM's engine process, if any
-            closers.append(rollout.close)
+        make_rollout = functools.partial(Rollout, template, tokenizer, cfg.rollout.device, episodes=episodes,
+                                         rows=rows, vllm=vllm)
+        if cfg.placement.backend == "ray":
+            rollout = ray_rollout_pool(cfg, template, tokenizer, closers, shared, episodes, vllm)
+        else:   # rollout.lane=process: the role in its own process for the whole run (a pool of one there)
+            rollout = process_rollout_pool(cfg, make_rollout) if cfg.rollout.lane == "process" else make_rollout()
+            closers.append(rollout.close)   # its tool worker, vLLM's engine process, or its process
         rollout_base = None
         if base is not None:   # LoRA: each version is an adapter on this base, in rollout.dtype (pinned everywhere)
             rollout_base = rollout.pin_base(*adapters.pinned_base(model, base, cfg.rollout.dtype))
@@ -288,8 +292,7 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
             if cfg.placement.critic_ranks > 1:
                 critic = data_parallel_role(cfg, "critic", make_critic, critic, closers)
         reward = Reward(build_reward_fn(cfg), cfg.reward.num_scorers, cfg.reward.timeout_s, cfg.reward.scorer_memory_mb)
-        return Roles(actor, rollout, reward, reference, critic, tokenizer, closers,
-                     functools.partial(Rollout, template, tokenizer, episodes=episodes, rows=rows), rollout_base)
+        return Roles(actor, rollout, reward, reference, critic, tokenizer, closers, rollout_base)
     except BaseException:
         for close in reversed(closers):
             close()
@@ -401,6 +404,18 @@ def ray_rollout_pool(cfg: Config, template, tokenizer, closers: list, shared=Non
     rollout = RolloutPool(group, timeout_s=p.timeout_s)
     closers.append(rollout.close)
     return rollout
+
+
+def process_rollout_pool(cfg: Config, make_rollout):
+    """rollout.lane=process: the rollout role in a process of its own for the whole run, a
+    RolloutPool of one worker on a process host (placement/process_group.py), run.threads torch
+    threads there; trainer/variants/process_lane.py says how the lane uses it."""
+    from sealrl.placement.process_group import ProcessWorkerGroup
+    from sealrl.placement.rollout_pool import RolloutPool
+    timeout_s = cfg.placement.timeout_s
+    group = ProcessWorkerGroup("rollout", make_rollout, 1, timeout_s, threads=torch.get_num_threads(),
+                               concurrency=2)   # stage a version while generating, as a Ray replica does
+    return RolloutPool(group, timeout_s=timeout_s)
 
 
 # ---- the context of one run ---------------------------------------------------------------
