@@ -162,7 +162,7 @@ class RolloutConfig:
     dtype: str = "fp32"                    # fp32 | bf16: the weights the actor exports to the rollout (checksummed)
     max_staleness: int = 0                 # publications generation may lag the actor (0 = synchronous)
     device: str = "auto"                   # auto | cpu | cuda: where the rollout samples (auto: cuda when available)
-    lane: str = resumable("thread")        # generation lane (k >= 1) in a thread | the rollout role in its own process (docs/async.md)
+    lane: str = resumable("thread")        # thread | process: the rollout role in its own process (docs/async.md)
     partial: str = "finish"                # k >= 1, a publication mid-generation: finish (old version) | switch (new)
     max_rows: int = 0                      # rows decoding at once (0 = all of a call; vLLM: 256); more wait, admitted
                                            # as rows finish (rollout/scheduler.py; vLLM's max_num_seqs)
