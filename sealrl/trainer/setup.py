@@ -244,13 +244,14 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
         episodes = episode_spec(cfg)
         rows = (cfg.rollout.max_rows, True)   # rollout/scheduler.py: rows admitted as others finish
         vllm = vllm_options(cfg)   # None: the native engine
-        make_rollout = functools.partial(Rollout, template, tokenizer, cfg.rollout.device, episodes=episodes,
-                                         rows=rows, vllm=vllm)
         if cfg.placement.backend == "ray":
             rollout = ray_rollout_pool(cfg, template, tokenizer, closers, shared, episodes, vllm)
-        else:   # rollout.lane=process: the role in its own process for the whole run (a pool of one there)
-            rollout = process_rollout_pool(cfg, make_rollout) if cfg.rollout.lane == "process" else make_rollout()
-            closers.append(rollout.close)   # its tool worker, vLLM's engine process, or its process
+        elif cfg.rollout.lane == "process":   # the role in its own process for the whole run (a pool of one)
+            rollout = process_rollout_pool(cfg, template, tokenizer, episodes, rows, vllm)
+        else:
+            rollout = Rollout(template, tokenizer, cfg.rollout.device, episodes=episodes, rows=rows, vllm=vllm)
+        if cfg.placement.backend == "local":   # its tool worker, vLLM's engine process, or its process
+            closers.append(rollout.close)
         rollout_base = None
         if base is not None:   # LoRA: each version is an adapter on this base, in rollout.dtype (pinned everywhere)
             rollout_base = rollout.pin_base(*adapters.pinned_base(model, base, cfg.rollout.dtype))
@@ -406,14 +407,19 @@ def ray_rollout_pool(cfg: Config, template, tokenizer, closers: list, shared=Non
     return rollout
 
 
-def process_rollout_pool(cfg: Config, make_rollout):
+def process_rollout_pool(cfg: Config, template, tokenizer, episodes=None, rows=None, vllm=None):
     """rollout.lane=process: the rollout role in a process of its own for the whole run, a
     RolloutPool of one worker on a process host (placement/process_group.py), run.threads torch
-    threads there; trainer/variants/process_lane.py says how the lane uses it."""
+    threads there; trainer/variants/process_lane.py says how the lane uses it. As for a Ray
+    replica, the factory holds the structure only (weights arrive by the verified sync), never
+    the actor's live model: a replacement started mid-run pickles it again."""
     from sealrl.placement.process_group import ProcessWorkerGroup
     from sealrl.placement.rollout_pool import RolloutPool
+    from sealrl.rollout.backends import weightless_template
     timeout_s = cfg.placement.timeout_s
-    group = ProcessWorkerGroup("rollout", make_rollout, 1, timeout_s, threads=torch.get_num_threads(),
+    make = functools.partial(Rollout, weightless_template(template), tokenizer, cfg.rollout.device, episodes=episodes,
+                             rows=rows, vllm=vllm)
+    group = ProcessWorkerGroup("rollout", make, 1, timeout_s, threads=torch.get_num_threads(),
                                concurrency=2)   # stage a version while generating, as a Ray replica does
     return RolloutPool(group, timeout_s=timeout_s)
 
