@@ -40,7 +40,7 @@ test: $(STAMP) browser
 lint: $(STAMP)
 	$(BIN)/ruff check sealrl tests benchmarks scripts examples
 	$(BIN)/python scripts/check_size.py sealrl
-# Everything but the end-to-end, Ray and fault-drill tests (@pytest.mark.slow): under 3 minutes
+# Everything but the end-to-end, Ray and fault-drill tests (@pytest.mark.slow): about 5 minutes
 # on 2 cores. `make test` runs them all.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" tests
