@@ -11,7 +11,7 @@ from sealrl.cli import main
 from sealrl.config import ConfigError, build_config, check_config
 from tests.test_pipeline import BASE
 
-KEYS = ("k1", "k3", "abs_diff_max", "tokens")
+KEYS = ("k1", "k3", "abs_diff_max", "abs_diff_mean", "tokens")
 
 
 def _run(tmp_path, name, *extra) -> tuple[int, list[dict]]:
@@ -32,6 +32,7 @@ def test_every_iteration_logs_the_first_step_mismatch(tmp_path, mode):
         # fp32, the weights that sampled: the lean decode and the training forward agree to rounding
         # (their parity test holds 1e-5 per token); a wrong token or version would be ~1 nat
         assert row["logprob/current_vs_rollout_abs_diff_max"] <= 1e-4
+        assert 0.0 <= row["logprob/current_vs_rollout_abs_diff_mean"] <= row["logprob/current_vs_rollout_abs_diff_max"]
     if mode == "recompute":   # the first step's forward is the old one: the two measures agree
         for row in rows:
             assert row["logprob/current_vs_rollout_abs_diff_max"] == pytest.approx(

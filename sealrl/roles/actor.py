@@ -241,7 +241,9 @@ class Actor:
         worst = float(x.abs().max()) if len(x) else 0.0
         out = {"logprob/current_vs_rollout_k1": float(-x.mean()) if len(x) else 0.0,
                "logprob/current_vs_rollout_k3": float((x.exp() - 1 - x).mean()) if len(x) else 0.0,
-               "logprob/current_vs_rollout_abs_diff_max": worst, "logprob/current_vs_rollout_tokens": float(len(x))}
+               "logprob/current_vs_rollout_abs_diff_max": worst,
+               "logprob/current_vs_rollout_abs_diff_mean": float(x.abs().mean()) if len(x) else 0.0,
+               "logprob/current_vs_rollout_tokens": float(len(x))}
         tol = self.algo.mismatch_tol   # with drop_group the groups past it were dropped before the seal
         if tol and worst > tol and self.algo.mismatch_action == "stop":
             raise RolloutMismatch(f"iteration {self.iteration}: the training forward and the rollout disagree by "
