@@ -139,10 +139,6 @@ class ProcessWorkerGroup:
         torch.save(value, buf)
         return Shared(buf.getvalue())
 
-    def fetch(self, shared: Any) -> Any:
-        """What `put` was given (read back from its bytes)."""
-        return _read(shared)
-
     def restart(self, k: int, timeout_s: float | None = None) -> None:
         """A fresh worker k from the factory (the lost one killed); the caller brings its state
         back. One that cannot start is kept in `unreplaced` (and raised)."""

@@ -175,15 +175,6 @@ class RolloutPool:
             self._base = (shared, manifest)
             return hashes[0]
 
-    def last_loaded(self) -> tuple[Any, WeightManifest] | None:
-        """The active version's state and manifest (to bring another rollout to it), or None."""
-        active = self.versions.active
-        if active is None:
-            return None
-        shared, manifest = active.held
-        fetch = getattr(self.group, "fetch", None)   # a process group's bytes, read back
-        return (fetch(shared) if fetch is not None else shared), manifest
-
     def take_recoveries(self) -> list[float]:
         """Seconds each replica replacement took (start a fresh one, load the active version
         verified) since the last take (then forgotten)."""
