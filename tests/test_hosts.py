@@ -86,8 +86,20 @@ def _ray():
         return group
 
     def kill(group):
+        """As os.kill for a process host: returns once the actor is dead (ray.kill is asynchronous:
+        a call sent at once may still be served)."""
         import ray
-        ray.kill(group.actors[0], no_restart=True)
+        actor = group.actors[0]
+        ray.kill(actor, no_restart=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                ray.get(actor.attr.remote("__class__"), timeout=5)
+            except ray.exceptions.RayActorError:
+                return
+            except ray.exceptions.GetTimeoutError:
+                pass
+            time.sleep(0.1)
     return Kind("ray", make, lambda g, m, *a, timeout_s=30: g.call(m, *a, timeout_s=timeout_s)[0], kill,
                 WorkerError, lambda g: g.attr("pid")[0])
 
