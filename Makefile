@@ -88,4 +88,4 @@ install-vllm: $(VLLM_STAMP)
 
 # The vLLM backend's tests (tests/test_rollout_vllm.py) in that venv; .ci/run runs it after `make test`.
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_BIN)/python -m pytest -q tests/test_rollout_vllm.py tests/test_rollout_engine.py
+	$(VLLM_BIN)/python -m pytest -q tests/test_rollout_vllm.py tests/test_vllm_log_probs.py tests/test_rollout_engine.py

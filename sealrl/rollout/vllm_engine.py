@@ -13,7 +13,9 @@ batch can in principle differ where two tokens' probabilities tie within roundin
 (tests/test_rollout_vllm.py checks that a lone retry reproduces its group's candidate on the
 embedded model). Behaviour log-probs: the engine runs with logprobs_mode="processed_logprobs",
 log_softmax(logits / T) of the sampled token after vLLM's top-k/top-p filter: with neither
-filter on, exactly the unfiltered training space the records declare. With a filter on it is
+filter on, exactly the unfiltered training space the records declare. The worker computes it as
+z - logsumexp(z), the training forward's formula, not with torch's log_softmax (biased high on
+the CPU at large vocabularies: vllm_worker.py). With a filter on it is
 the filtered space, and vLLM returns no unfiltered log-prob in the same pass, so filtered
 contracts are refused (config/rollout_backend.py) rather than recorded in the wrong space. The
 one exception is evaluation's greedy contract (top_k=1, T=1): vLLM's temperature 0, whose
@@ -406,6 +408,7 @@ def _start(folder: Path, options: VllmOptions):
               enforce_eager=options.enforce_eager, logprobs_mode="processed_logprobs", generation_config="vllm",
               gpu_memory_utilization=options.gpu_memory_utilization, max_num_seqs=options.max_num_seqs,
               worker_extension_cls=EXTENSION, seed=0, **cpu)
+    llm.collective_rpc("sealrl_logsumexp_log_probs")
     print(f"sealrl: vLLM engine up in {time.perf_counter() - started:.1f} s ({DTYPES[options.dtype]})",
           file=sys.stderr, flush=True)
     return llm

@@ -18,6 +18,16 @@ checksums come out (vLLM's RPC serialises neither functions nor tensors without 
   the names of `packed_modules_mapping`; a vocabulary padded to a multiple of 64 is cut back to
   its `org_vocab_size`. Where a module holds both a parameter and a kernel copy (the lm_head
   and embeddings on CPU), both are read and must agree.
+- `sealrl_logsumexp_log_probs()`: log-probs computed as z - logsumexp(z), the formula of
+  sealrl's own engine and of the training forward (models/logprobs.token_log_probs), in place of
+  vLLM's `log_softmax`. On the CPU, torch's fp32 `log_softmax` over a 49,152-token row drops the
+  tail's small terms while it sums (each lane adds them to a partial sum too large to register
+  them), so the normalizer comes out low and every log-prob high: +3e-6 to +1e-5 nats per
+  token on SmolLM2-135M against an fp64 reference, while `logsumexp` stays within 1e-6 of it
+  (docs/benchmarks.md, "vLLM log-probs"). Set once at engine start on the worker's own sampler:
+  its `compute_logprobs` (raw and greedy log-probs, prompt log-probs) and the top-k/top-p
+  sampler's processed log-probs, which the sampler is told to return as logits and which are
+  turned into log-probs here.
 """
 from __future__ import annotations
 
@@ -33,6 +43,22 @@ class SealrlWorkerExtension:
     def sealrl_load(self, path: str) -> None:
         weights = load_file(path)
         self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
+
+    def sealrl_logsumexp_log_probs(self) -> None:
+        sampler = self.model_runner.sampler
+        filters = getattr(sampler, "topk_topp_sampler", None)
+        if sampler.logprobs_mode != "processed_logprobs" or getattr(filters, "logprobs_mode", None) is None:
+            raise RuntimeError(f"sealrl: this vLLM's sampler ({type(sampler).__module__}) is not the one sealrl "
+                               "knows how to give exact log-probs to (vLLM 0.32's v1 Sampler)")
+        sample = filters.forward
+
+        def forward(logits, generators, k, p):
+            sampled, z = sample(logits, generators, k, p)
+            return sampled, None if z is None else log_probs(z)
+
+        sampler.compute_logprobs = log_probs
+        filters.logprobs_mode = "processed_logits"   # the filtered logits come back; log_probs turns them
+        filters.forward = forward
 
     def sealrl_held_entries(self) -> dict[str, list]:
         model = self.model_runner.get_model()
@@ -77,3 +103,9 @@ def _logical(mod_name: str, mod, p_name: str, t: torch.Tensor, packed: dict) -> 
         return [(f"{base}{part}.{p_name}", piece.contiguous())
                 for part, piece in zip(parts, torch.split(t, list(sizes), dim=0))]
     return [(f"{mod_name}.{p_name}", t.contiguous())]
+
+
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """log_softmax over the last dimension as z - logsumexp(z) in fp32 (module docstring)."""
+    z = logits.float()
+    return z - torch.logsumexp(z, dim=-1, keepdim=True)
