@@ -2,9 +2,12 @@
 
 Two GRPO runs of the same job, one after the other in fresh processes: everything in one
 process (`local`), and `ray` with 2 data-parallel actor ranks (FSDP2) and 2 rollout replicas.
-For each: the driver's peak resident set over the run (the largest `memory/role_*_peak_rss_gb`
-of any iteration: Linux VmHWM, this process only; ranks and replicas are other processes), the
-weight bytes one sync moves (`sync/bytes`) and its time (`time/weight_sync_s`), and the size of
+For each: the driver's peak resident set over the iterations (the largest
+`memory/role_*_peak_rss_gb` of any iteration: Linux VmHWM, this process only; ranks and replicas
+are other processes) and over the whole run (`_with_end`: VmHWM when train() returns, the
+checkpoint at the end included, which gathers the ranks' weights and Adam state into the driver),
+the weight bytes one sync moves (`sync/bytes`), how many of them the driver held
+(`sync/driver_bytes`) and its time (`time/weight_sync_s`), and the size of
 the actor's fp32 weights and of weights plus Adam's two moments, which is what the driver would
 hold if it mirrored the ranks.
 
@@ -32,14 +35,18 @@ RAY = ["placement.backend=ray", "placement.actor_ranks=2", "placement.dp_strateg
 def one_run(model: Path, workdir: Path, name: str, iterations: int, extra: list[str]) -> dict:
     """A run in its own interpreter (a fresh peak RSS), read back from its metrics."""
     code = ("import sys; from sealrl.config import build_config; from sealrl.trainer.driver import train; "
-            "train(build_config(None, sys.argv[1:]))")
+            "train(build_config(None, sys.argv[2:])); "   # then the whole run's peak, end checkpoint included
+            "open(sys.argv[1], 'w').write(next(x for x in open('/proc/self/status') if x.startswith('VmHWM')))")
     args = [f"model.path={model}", f"run.output_dir={workdir}", f"run.name={name}", f"run.iterations={iterations}",
             *JOB, *extra]
-    subprocess.run([sys.executable, "-c", code, *args], check=True, cwd=ROOT)
+    peak = workdir / f"{name}.vmhwm"
+    subprocess.run([sys.executable, "-c", code, str(peak), *args], check=True, cwd=ROOT)
     rows = [json.loads(x) for x in (workdir / name / "metrics.jsonl").read_text().splitlines()]
     rss = [v for r in rows for k, v in r.items() if k.startswith("memory/role_") and k.endswith("_peak_rss_gb")]
     return {"driver_peak_rss_gb": round(max(rss), 3),
+            "driver_peak_rss_gb_with_end": round(int(peak.read_text().split()[1]) / 2 ** 20, 3),
             "sync_bytes_per_iteration": rows[-1]["sync/bytes"],
+            "driver_sync_bytes_per_iteration": rows[-1]["sync/driver_bytes"],
             "weight_sync_s_median": round(statistics.median(r["time/weight_sync_s"] for r in rows), 3),
             "iteration_s_median": round(statistics.median(r["time/iteration_s"] for r in rows[1:]), 2)}
 

@@ -39,6 +39,7 @@ from sealrl.placement.dispatch import ReplicaVersionError, activate_all, generat
 from sealrl.placement.workers import WorkerGroup
 from sealrl.seams.rollout import CLIENTS
 from sealrl.sync.manifest import WeightManifest
+from sealrl.sync.remote import RemoteState
 from sealrl.sync.versions import VersionSlots
 
 
@@ -89,7 +90,7 @@ class RolloutPool:
             return self._load(state, manifest)
 
     def _load(self, state, manifest: WeightManifest) -> PolicyVersion:
-        shared = self.group.put(dict(state))  # put once, not per replica
+        shared = self.group.put(state if isinstance(state, RemoteState) else dict(state))  # once, not per replica
         for attempt in range(self.max_replacements + 1):
             failed = stage_all(self.group, shared, manifest, self.timeout_s)
             if not failed:

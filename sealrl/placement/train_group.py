@@ -21,13 +21,15 @@ Forward-only work is split, not repeated: old log-probs (recompute mode) and cri
 computed on each rank's shard of sorted ids and joined by sample id on the driver.
 
 The driver keeps a local copy of the role (`local`), built from the same arguments: it mirrors
-the ranks' full state for checkpoints and `save_causal_lm`. It is pulled lazily after an update
-(`model`, `optimizer`), and pushed to every rank when a checkpoint is restored into it:
-position.restore_position loads `model` and `optimizer`, then calls `set_counters`, which
-is the push. `export()` takes rank 0's full weights, checks every other rank's weights hash
-against them (ReplicaMismatchError names the rank) and builds the manifest on the driver
-(with LoRA what ships is the adapter: Actor.exported_tensors, the mirror's manifest_of).
-Pull, export and push go to EVERY rank: with fsdp2, gathering full tensors (and cutting them
+the ranks' full state for checkpoints and `save_causal_lm`. It is pulled only when read
+(`model`, `optimizer`: a checkpoint, the end of the run), and pushed to every rank when a
+checkpoint is restored into it: position.restore_position loads `model` and `optimizer`, then
+calls `set_counters`, which is the push. `publish()` has rank 0 build the manifest and put what
+the rollout loads into Ray's object store itself (sync/remote.py): the driver gets the reference,
+the manifest and every other rank's weights hash, which must equal rank 0's
+(ReplicaMismatchError names the rank); the weights go rank 0 -> object store -> replicas, not
+through the driver (with LoRA what ships is the adapter: Actor.exported_tensors).
+Pull, publish and push go to EVERY rank: with fsdp2, gathering full tensors (and cutting them
 back into shards) is a collective; only rank 0 ships what it gathered. FSDP2 also gathers in
 every forward, so the forward-only calls (old log-probs, values) run as many micro-batches on
 every rank (`roles.distributed.idle_passes`). Rollback snapshots stay inside each rank (sharded).
@@ -62,8 +64,9 @@ from sealrl.roles.distributed import (
     take_collective_seconds,
     world,
 )
-from sealrl.sync.adapter import copy_once
+from sealrl.sync.adapter import copy_once, rollout_copy, sync_bytes
 from sealrl.sync.manifest import WeightManifest, entries_digest, tensor_entry
+from sealrl.sync.remote import RemoteState, received, stored
 
 COLLECTIVES = "_collectives_s"   # a rank's seconds in explicit collectives, beside its update's metrics
 
@@ -107,24 +110,12 @@ class TrainRank:
         """Whether this rank's model is sharded (FSDP2 DTensor parameters)."""
         return is_sharded(self.worker.model)
 
-    def weights(self) -> dict[str, torch.Tensor] | str:
-        """Rank 0: a detached CPU copy of what its role exports (full weights; an actor with LoRA, the
-        adapter's), whole; every other rank: their hash. Every rank takes part (gathering sharded
-        weights is a collective)."""
-        state = copy_once(full_state(self.exported_tensors()), torch.Tensor.clone)
-        if world()[0] == 0:
-            return state
-        return entries_digest({name: tensor_entry(t) for name, t in state.items()})
-
-    def exported_tensors(self) -> dict[str, torch.Tensor]:
-        """What `weights` ships: the whole state dict (an actor's: Actor.exported_tensors)."""
-        return self.worker.model.state_dict()
-
-    def state(self) -> tuple[dict, dict] | None:
-        """(model state, optimizer state), full tensors, for the driver's mirror: rank 0's;
-        None on the others, which take part in gathering the shards."""
+    def state(self, model: bool = True, optim: bool = True) -> tuple[dict | None, dict | None] | None:
+        """(model state, optimizer state), full tensors, for the driver's mirror: rank 0's, each
+        None unless asked for; None on the others, which take part in gathering the shards."""
         w = self.worker
-        model_state, optim_state = full_state(w.model.state_dict()), full_optimizer_state(w.optimizer)
+        model_state = full_state(w.model.state_dict()) if model else None
+        optim_state = full_optimizer_state(w.optimizer) if optim else None
         return (model_state, optim_state) if world()[0] == 0 else None
 
     def load_state(self, model_state: dict, optim_state: dict, counters: dict[str, int]) -> None:
@@ -153,8 +144,20 @@ class TrainRank:
 
 
 class ActorRank(TrainRank):
-    def exported_tensors(self) -> dict[str, torch.Tensor]:
-        return self.worker.exported_tensors()   # with LoRA, the adapter's factors
+    def publish(self, attempt: int, dtype: str, base_hash: str | None):
+        """EXPORTING(v) on the ranks, the driver out of the data path. Every rank gathers the full
+        tensors the actor ships (a collective with fsdp2; with LoRA the adapter's). Rank 0 builds
+        their manifest at the driver's `attempt`, makes what the rollout loads of them
+        (sync/adapter.rollout_copy: its dtype, or the adapter named on the pinned base) and puts
+        that in the object store itself: it returns (sync/remote.stored, its bytes, the hash of
+        the manifest's entries, the rollout's manifest). Every other rank returns its hash."""
+        state = copy_once(full_state(self.worker.exported_tensors()), torch.Tensor.clone)
+        if world()[0] != 0:
+            return entries_digest({name: tensor_entry(t) for name, t in state.items()})
+        self.worker.attempt = attempt
+        manifest = self.worker.manifest_of(state)
+        loaded, loaded_manifest = rollout_copy(state, manifest, dtype, base_hash)
+        return stored(loaded), sync_bytes(loaded), entries_digest(manifest.entries), loaded_manifest
 
     def old_log_probs(self, batch: ExperienceBatch) -> tuple[list[str], torch.Tensor]:
         """(sample ids, (b, R) log-probs) of this rank's shard: the actor's recompute forward."""
@@ -240,21 +243,25 @@ class Replicas:
         self.model_stale = self.optim_stale = True
 
     def model(self):
-        if self.model_stale or self.optim_stale:
-            self.pull()
+        if self.model_stale:   # the weights only: the end of a run exports the policy, not Adam's moments
+            self.pull(optim=False)
         return self.local.model
 
     def optimizer(self):
         if self.optim_stale:
-            self.pull()
+            self.pull(model=self.model_stale)
         return self.local.optimizer
 
-    def pull(self) -> None:
-        """The ranks' full state into the mirror: every rank gathers (fsdp2), rank 0 ships it."""
-        model_state, optim_state = self.call("state")[0]
-        self.local.model.load_state_dict(model_state, strict=True)
-        self.local.optimizer.load_state_dict(optim_state)
-        self.model_stale = self.optim_stale = False
+    def pull(self, model: bool = True, optim: bool = True) -> None:
+        """The ranks' full weights and/or optimizer state into the mirror: every rank gathers
+        (fsdp2), rank 0 ships it."""
+        model_state, optim_state = self.call("state", model, optim)[0]
+        if model:
+            self.local.model.load_state_dict(model_state, strict=True)
+            self.model_stale = False
+        if optim:
+            self.local.optimizer.load_state_dict(optim_state)
+            self.optim_stale = False
 
     def push(self, counters: dict[str, int]) -> None:
         """The mirror's weights, optimizer state and counters onto every rank (resume)."""
@@ -349,15 +356,13 @@ class ActorGroup(_RoleGroup):
     def attempt(self, value: int) -> None:
         self.local.attempt = value
 
-    def export(self) -> tuple[dict[str, torch.Tensor], WeightManifest]:
-        """EXPORTING(v): rank 0's weights (with LoRA its adapter); every other rank's hash must
-        equal theirs. The manifest is the mirror's (Actor.manifest_of: its step and attempt)."""
-        first, *hashes = self.replicas.call("weights")
-        manifest = self.local.manifest_of(first)
-        self.replicas.check_weights("actor", hashes, entries_digest(manifest.entries))
-        self.local.load_exported(first)   # the mirror's weights are fresh now (LoRA: its base never moves)
-        self.replicas.model_stale = False
-        return first, manifest
+    def publish(self, dtype: str, base_hash: str | None) -> tuple[RemoteState | dict, WeightManifest]:
+        """EXPORTING(v): what the rollout loads, as ActorRank.publish made it on rank 0 (in Ray, a
+        RemoteState: the tensors stay in the object store); every other rank's hash must equal
+        rank 0's. The mirror is not refreshed: it is pulled only when read (checkpoints, the end)."""
+        (state, nbytes, want, manifest), *hashes = self.replicas.call("publish", self.local.attempt, dtype, base_hash)
+        self.replicas.check_weights("actor", hashes, want)
+        return received(state, nbytes), manifest
 
     def compute_old_log_probs(self, batch: ExperienceBatch, version: PolicyVersion, fuse=None) -> None:
         """Recompute mode, split by sample id over the ranks and joined by id (`fuse` is for one

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 from sealrl.config import UserError
 from sealrl.seams.host import RemoteCallError, type_name_of
+from sealrl.sync.remote import RemoteState
 
 
 class WorkerError(RuntimeError):
@@ -394,6 +395,8 @@ class RayWorkerGroup:
 
     def put(self, value: Any) -> Any:
         import ray
+        if isinstance(value, RemoteState):   # already in the object store (a rank put it there)
+            return value.ref
         return ray.put(value)  # an ObjectRef given as a top-level argument arrives resolved
 
     def _collect(self, method: str, refs: dict, timeout_s: float | None, settle: bool = False,

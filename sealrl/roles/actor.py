@@ -16,7 +16,7 @@ from sealrl.models.packing import TeacherForcing
 from sealrl.roles import common
 from sealrl.roles.common import batch_log_probs, lr_at, optimizer_step, pad_width
 from sealrl.roles.distributed import all_gather_cat, all_reduce_sums, idle_passes, own_rows, world
-from sealrl.sync.adapter import AdapterManifest, build_adapter_manifest, copy_once
+from sealrl.sync.adapter import AdapterManifest, build_adapter_manifest, copy_once, rollout_copy
 from sealrl.sync.manifest import WeightManifest, build_manifest
 
 if TYPE_CHECKING:
@@ -84,15 +84,10 @@ class Actor:
                                           self.config_hash)
         return build_manifest(state, self.run_id, self.step, self.attempt, self.tokenizer_hash, self.config_hash)
 
-    def load_exported(self, state: dict[str, torch.Tensor]) -> None:
-        """An exported `state` copied into this actor's tensors (a data-parallel group's mirror)."""
-        tensors = self.exported_tensors()
-        if state.keys() != tensors.keys():
-            differ = sorted(state.keys() ^ tensors.keys())
-            raise KeyError(f"exported state does not match the actor's tensors: {differ[:3]}")
-        with torch.no_grad():
-            for k, t in tensors.items():
-                t.copy_(state[k])
+    def publish(self, dtype: str, base_hash: str | None) -> tuple[dict[str, torch.Tensor], WeightManifest]:
+        """EXPORTING(v): what the rollout loads of the exported version and its manifest (in the
+        rollout's `dtype`, or the adapter named on the base the rollout pinned: rollout_copy)."""
+        return rollout_copy(*self.export(), dtype, base_hash)
 
     # ---- old log-probs ------------------------------------------------------------------
     def compute_old_log_probs(self, batch: ExperienceBatch, version: PolicyVersion,

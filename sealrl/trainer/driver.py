@@ -19,7 +19,8 @@ from sealrl.models.lora import save_policy
 from sealrl.obs.metrics import MetricsLogger
 from sealrl.obs.progress import Progress
 from sealrl.obs.timeline import critical_shares
-from sealrl.sync.adapter import rollout_copy, sync_bytes
+from sealrl.sync.adapter import sync_bytes
+from sealrl.sync.remote import RemoteState
 from sealrl.trainer import drills, setup
 from sealrl.trainer.evaluate import evaluate
 from sealrl.trainer.inputs import check_inputs, write_dropped_rows
@@ -129,6 +130,7 @@ def _loop(run: Run, lanes, start: int, version, before: dict, wall: float, logge
         lanes.publish(it + 1, version, run.last_weights)   # the actor version that consumes iteration it + 1
         metrics["time/weight_sync_s"] = run.timer.stage_seconds.get("weight_sync", 0.0)
         metrics["sync/bytes"] = float(run.sync_bytes)
+        metrics["sync/driver_bytes"] = float(run.sync_driver_bytes)
         metrics.update(run.timer.memory_metrics())   # peak memory per stage and role, weight sync included
         metrics["time/iteration_s"] = time.perf_counter() - t0
         metrics.update(share_metrics(metrics))
@@ -178,8 +180,11 @@ def publish(run: Run):
     corrupted or missing tensor raises WeightSyncError naming it; nothing is activated."""
     with run.stage("weight_sync", "rollout"):
         # checksums over what loads: the rollout's dtype, or an adapter on the base the rollout pinned
-        state, manifest = rollout_copy(*run.roles.actor.export(), run.cfg.rollout.dtype, run.roles.rollout_base)
-        run.sync_bytes = sync_bytes(state)   # with LoRA, the adapter's tensors only
+        # data-parallel ranks on Ray: a RemoteState, the tensors in the object store (sync/remote.py)
+        state, manifest = run.roles.actor.publish(run.cfg.rollout.dtype, run.roles.rollout_base)
+        remote = isinstance(state, RemoteState)
+        run.sync_bytes = state.nbytes if remote else sync_bytes(state)   # with LoRA, the adapter's tensors only
+        run.sync_driver_bytes = 0 if remote else run.sync_bytes
         run.last_weights = state if run.cfg.rollout.max_staleness else None   # only an async lane keeps them
         run.to(Phase.EXPORTING, manifest.version.id)
         run.to(Phase.ROLLOUT_LOADING, manifest.version.id)

@@ -443,6 +443,7 @@ class Run:
     watchdog: Watchdog
     variants: Variants = field(default_factory=Variants)   # the iteration's hooks, chosen once (trainer/variants)
     sync_bytes: int = 0   # bytes the last weight sync moved (sync/bytes)
+    sync_driver_bytes: int = 0   # of them, what the driver process held (sync/driver_bytes)
     last_weights: dict | None = None   # what the last weight sync published, kept if max_staleness > 0
 
     @contextmanager

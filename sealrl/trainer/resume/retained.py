@@ -21,6 +21,7 @@ from sealrl.experience.ids import PolicyVersion
 from sealrl.models.lora import adapter_scaling
 from sealrl.sync.adapter import build_adapter_manifest
 from sealrl.sync.manifest import build_manifest
+from sealrl.sync.remote import local_copy
 from sealrl.trainer.resume.checkpoint import CheckpointError
 
 
@@ -33,7 +34,7 @@ def lane_position(retained: dict, actor) -> tuple[dict, dict]:
         own = (version.step, version.attempt) == (actor.step, actor.attempt)   # published again on resume
         if not own and version.id not in weights:
             weights[version.id] = f"lane_weights_{len(parts)}"
-            parts[weights[version.id]] = dict(state)
+            parts[weights[version.id]] = dict(local_copy(state))   # a rank's RemoteState: fetched here
     return parts, {"versions": versions, "weights": weights}
 
 
