@@ -5,6 +5,7 @@ import torch
 
 from sealrl.trainer.resume.checkpoint import (
     CheckpointError,
+    StreamedPart,
     latest_checkpoint,
     load_checkpoint,
     optimizer_from_flat,
@@ -73,6 +74,25 @@ def test_missing_and_corrupted_parts_are_named(tmp_path):
         load_checkpoint(folder, ["actor_model"])
     with pytest.raises(CheckpointError, match="part critic_model is missing"):
         load_checkpoint(save_checkpoint(tmp_path, 3, {"actor_model": {"w": torch.ones(1)}}, {}), ["critic_model"])
+
+
+def test_a_streamed_part_is_written_chunk_by_chunk_as_shards_and_read_back_as_one(tmp_path):
+    model, opt = _model_and_opt()
+    t, meta = optimizer_to_flat(opt)
+    keys, taken = sorted(t), []
+
+    def chunks():   # a chunk is asked for only when the one before is written
+        for i in range(0, len(keys), 2):
+            taken.append(sorted(p.name for p in (tmp_path / "step_3.tmp").glob("optim-*")))
+            yield {k: t[k] for k in keys[i:i + 2]}
+
+    folder = save_checkpoint(tmp_path, 3, {"optim": StreamedPart(chunks())}, {"optim": meta})
+    assert taken == [[], ["optim-00000.safetensors"], ["optim-00000.safetensors", "optim-00001.safetensors"]]
+    tensors, state = load_checkpoint(folder, ["optim"])
+    assert tensors["optim"].keys() == t.keys() and all(torch.equal(tensors["optim"][k], t[k]) for k in t)
+    (folder / "optim-00001.safetensors").unlink()   # a lost shard: the marker names it
+    with pytest.raises(CheckpointError, match="part optim-00001.safetensors is missing"):
+        load_checkpoint(folder, ["optim"])
 
 
 def test_latest_pointer_cannot_escape(tmp_path):

@@ -22,7 +22,9 @@ computed on each rank's shard of sorted ids and joined by sample id on the drive
 
 The driver keeps a local copy of the role (`local`), built from the same arguments: it mirrors
 the ranks' full state for checkpoints and `save_causal_lm`. It is pulled only when read
-(`model`, `optimizer`: a checkpoint, the end of the run), and pushed to every rank when a
+(`model`, `optimizer`), weights apart from optimizer state; a checkpoint reads the weights from it
+and streams the optimizer state from the ranks a bucket at a time (`optimizer_checkpoint`), so
+Adam's moments are never whole in the driver. It is pushed to every rank when a
 checkpoint is restored into it: position.restore_position loads `model` and `optimizer`, then
 calls `set_counters`, which is the push. `publish()` has rank 0 build the manifest and put what
 the rollout loads into Ray's object store itself (sync/remote.py): the driver gets the reference,
@@ -55,6 +57,7 @@ from sealrl.roles.distributed import (
     fsdp2_shard,
     full_optimizer_state,
     full_state,
+    gathered,
     idle_passes,
     is_sharded,
     load_full_optimizer_state,
@@ -67,8 +70,10 @@ from sealrl.roles.distributed import (
 from sealrl.sync.adapter import copy_once, rollout_copy, sync_bytes
 from sealrl.sync.manifest import WeightManifest, entries_digest, tensor_entry
 from sealrl.sync.remote import RemoteState, received, stored
+from sealrl.trainer.resume.checkpoint import StreamedPart, optimizer_to_flat
 
 COLLECTIVES = "_collectives_s"   # a rank's seconds in explicit collectives, beside its update's metrics
+CHECKPOINT_BUCKET_BYTES = 64 << 20   # optimizer state per call when a checkpoint gathers it from the ranks
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -117,6 +122,22 @@ class TrainRank:
         model_state = full_state(w.model.state_dict()) if model else None
         optim_state = full_optimizer_state(w.optimizer) if optim else None
         return (model_state, optim_state) if world()[0] == 0 else None
+
+    def optimizer_layout(self) -> tuple[list[tuple[str, int]], dict] | None:
+        """Rank 0: (key, bytes) of every tensor of the full optimizer state in a checkpoint's flat
+        form (resume/checkpoint.optimizer_to_flat), and its JSON part; None on the others.
+        Nothing is gathered: a sharded moment's shape is its whole tensor's."""
+        tensors, meta = optimizer_to_flat(self.worker.optimizer)
+        if world()[0] != 0:
+            return None
+        return [(k, t.numel() * t.element_size()) for k, t in tensors.items()], meta
+
+    def optimizer_tensors(self, keys: list[str]) -> dict[str, torch.Tensor] | None:
+        """Rank 0: the full tensors of `keys` (optimizer_layout's), on the CPU; None on the others,
+        which take part in gathering them (a collective per sharded tensor, in `keys`' order)."""
+        tensors, _ = optimizer_to_flat(self.worker.optimizer)
+        out = gathered({k: tensors[k] for k in keys})
+        return out if world()[0] == 0 else None
 
     def load_state(self, model_state: dict, optim_state: dict, counters: dict[str, int]) -> None:
         """Full model and optimizer state (the mirror's), cut into this rank's shards if sharded."""
@@ -320,6 +341,21 @@ class _RoleGroup:
         if len(results) == 1:   # one rank talks to no one
             return results[0][0]
         return {**results[0][0], f"perf/{role}_collectives_s": max(seconds)}
+
+    def optimizer_checkpoint(self) -> tuple[StreamedPart, dict]:
+        """The ranks' full optimizer state for a checkpoint, never whole in the driver: its layout,
+        then the tensors CHECKPOINT_BUCKET_BYTES at a time, gathered by every rank and shipped by
+        rank 0 while the checkpoint writes them (resume/checkpoint.StreamedPart)."""
+        layout, meta = self.replicas.call("optimizer_layout")[0]
+        buckets: list[list[str]] = [[]]
+        size = 0
+        for key, nbytes in layout:
+            if buckets[-1] and size + nbytes > CHECKPOINT_BUCKET_BYTES:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(key)
+            size += nbytes
+        return StreamedPart(self.replicas.call("optimizer_tensors", keys)[0] for keys in buckets), meta
 
     def snapshot(self) -> dict:
         """Every rank keeps its own (sharded) committed state; the driver keeps the counters."""

@@ -6,6 +6,11 @@ written into `step_N.tmp/`, every file fsynced, a `COMMITTED` marker holding eac
 is written last, the folder is renamed into place, and only then does the `latest` pointer move
 (itself replaced atomically). Only folders with a valid marker load; a missing or corrupted part
 refuses to resume and names the part. Nothing is unpickled: no torch.load, no pickle.
+
+A part too large to hold in the driver at once (a data-parallel role's optimizer state,
+gathered from its ranks a bucket at a time: placement/train_group.py) is a `StreamedPart`: each
+chunk is written as it comes, as shards `<part>-00000.safetensors`, `<part>-00001...`, and
+`load_checkpoint` reads the shards back as one part.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,6 +36,13 @@ LATEST = "latest"
 
 class CheckpointError(UserError, RuntimeError):
     """A checkpoint cannot be written or loaded; the message names the part."""
+
+
+class StreamedPart:
+    """A part whose tensors come in chunks ({key: tensor} each, at least one), written one at a time."""
+
+    def __init__(self, chunks: Iterable[dict[str, torch.Tensor]]) -> None:
+        self.chunks = chunks
 
 
 def _sha256(path: Path) -> str:
@@ -94,7 +107,11 @@ def _write_parts(tmp: Path, step: int, tensors: dict[str, dict[str, torch.Tensor
     """Every part into `tmp`, fsynced, then the marker (written last) and the folder fsynced."""
     tmp.mkdir()
     for part, flat in tensors.items():
-        save_file({k: v.detach().cpu().clone().contiguous() for k, v in flat.items()}, str(tmp / f"{part}.safetensors"))
+        if isinstance(flat, StreamedPart):
+            for i, chunk in enumerate(flat.chunks):
+                _save(chunk, tmp / f"{part}-{i:05d}.safetensors")
+        else:
+            _save(flat, tmp / f"{part}.safetensors")
     (tmp / "state.json").write_text(json.dumps(state, sort_keys=True, indent=1))
     for part, write in folders.items():
         write(tmp / part)
@@ -106,6 +123,10 @@ def _write_parts(tmp: Path, step: int, tensors: dict[str, dict[str, torch.Tensor
     (tmp / MARKER).write_text(json.dumps(marker, sort_keys=True, indent=1))  # written last
     fsync_file(tmp / MARKER)
     _fsync_dir(tmp)
+
+
+def _save(flat: dict[str, torch.Tensor], path: Path) -> None:
+    save_file({k: v.detach().cpu().clone().contiguous() for k, v in flat.items()}, str(path))
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -192,9 +213,10 @@ def load_checkpoint(folder: Path, parts: list[str]) -> tuple[dict[str, dict[str,
     tensors = {}
     for part in parts:
         path = folder / f"{part}.safetensors"
-        if not path.is_file():
+        shards = [path] if path.is_file() else sorted(folder.glob(f"{part}-[0-9][0-9][0-9][0-9][0-9].safetensors"))
+        if not shards:
             raise CheckpointError(f"{folder}: part {part} is missing")
-        tensors[part] = load_file(str(path))
+        tensors[part] = {k: v for shard in shards for k, v in load_file(str(shard)).items()}
     return tensors, json.loads((folder / "state.json").read_text())
 
 

@@ -45,7 +45,7 @@ def save_position(run_dir: Path, iteration: int, cfg: Config, roles, sampler, kl
     """`retained`: Pipeline.retained(iteration), the lane's versions older than the actor's."""
     actor = roles.actor
     lane_parts, lane = lane_position(retained or {}, actor)
-    optim_t, optim_meta = optimizer_to_flat(actor.optimizer)
+    optim_t, optim_meta = optimizer_part(actor)
     # with LoRA the adapter only (trainable_state); the frozen base once, by its hash
     tensors = {"actor_model": dict(trainable_state(actor.model)), "actor_optim": optim_t, "rng": rng_to_flat()}
     state = {
@@ -66,7 +66,7 @@ def save_position(run_dir: Path, iteration: int, cfg: Config, roles, sampler, kl
     }
     tensors.update(lane_parts)
     if roles.critic is not None:
-        c_t, c_meta = optimizer_to_flat(roles.critic.optimizer)
+        c_t, c_meta = optimizer_part(roles.critic)
         tensors["critic_model"] = dict(trainable_state(roles.critic.model))
         tensors["critic_optim"] = c_t
         state.update(critic_step=roles.critic.step, critic_skipped=roles.critic.skipped_steps, critic_optim=c_meta)
@@ -79,6 +79,14 @@ def save_position(run_dir: Path, iteration: int, cfg: Config, roles, sampler, kl
     faults.point("after_checkpoint", iteration)
     prune_checkpoints(run_dir / "checkpoints", cfg.run.keep_checkpoints)
     return folder
+
+
+def optimizer_part(role) -> tuple:
+    """(tensors, JSON) of a role's optimizer state for a checkpoint. A data-parallel group streams
+    it from its ranks (ActorGroup / CriticGroup.optimizer_checkpoint), so the driver never holds
+    the whole of it; a role in this process flattens its own."""
+    streamed = getattr(role, "optimizer_checkpoint", None)
+    return streamed() if streamed is not None else optimizer_to_flat(role.optimizer)
 
 
 def _layout(cfg: Config) -> dict:
