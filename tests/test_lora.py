@@ -289,3 +289,14 @@ def test_bytes_per_sync_with_lora_under_a_tenth_of_a_full_sync():
     per_layer_lora = 16 * (2 * (512 + 512) + 2 * (512 + 128) + 3 * (512 + 1152))
     assert sync_bytes(state) == 4 * 3 * per_layer_lora   # 2.5% of the full sync
     assert sync_bytes(state) < 0.1 * sync_bytes(full_state)
+
+
+def test_copy_once_shares_a_tied_pair_and_never_two_empty_tensors():
+    """Names of one tensor (a tied embedding and LM head) are copied (gathered, sent) once; two
+    empty tensors of one shape are two, whatever address they report: with FSDP2 a rank's empty
+    shards may share one, and aliasing them on that rank only would skip a collective there."""
+    from sealrl.sync.adapter import copy_once
+    tied, calls = torch.ones(3, 2), []
+    out = copy_once({"embed": tied, "head": tied, "m1": torch.empty(0, 2), "m2": torch.empty(0, 2)},
+                    lambda t: calls.append(t) or t.clone())
+    assert len(calls) == 3 and out["embed"] is out["head"] and out["m1"] is not out["m2"]

@@ -57,7 +57,6 @@ from sealrl.roles.distributed import (
     fsdp2_shard,
     full_optimizer_state,
     full_state,
-    gathered,
     idle_passes,
     is_sharded,
     load_full_optimizer_state,
@@ -136,7 +135,7 @@ class TrainRank:
         """Rank 0: the full tensors of `keys` (optimizer_layout's), on the CPU; None on the others,
         which take part in gathering them (a collective per sharded tensor, in `keys`' order)."""
         tensors, _ = optimizer_to_flat(self.worker.optimizer)
-        out = gathered({k: tensors[k] for k in keys})
+        out = full_state({k: tensors[k] for k in keys})
         return out if world()[0] == 0 else None
 
     def load_state(self, model_state: dict, optim_state: dict, counters: dict[str, int]) -> None:

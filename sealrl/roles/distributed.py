@@ -248,13 +248,6 @@ def full_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return copy_once(state, lambda t: _full(t).detach().cpu())   # a tied pair: gathered once
 
 
-def gathered(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Each tensor whole, detached, on the CPU: one collective per sharded tensor, in the dict's
-    order (every rank calls it with the same keys). No tie detection, unlike full_state: a rank's
-    empty shards may share one address, which would skip a collective on that rank only."""
-    return {k: _full(t).detach().cpu() for k, t in tensors.items()}
-
-
 def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
     """optimizer.state_dict() with DTensor state (moments of sharded parameters) gathered whole
     (a collective when sharded: keys are visited in sorted order on every rank)."""

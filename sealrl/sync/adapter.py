@@ -120,8 +120,13 @@ def copy_once(state: Mapping[str, Tensor], copy: Callable[[Tensor], Tensor]) -> 
 
 def _alias(t: Tensor) -> tuple:
     """Equal for two views of one storage with one layout; a sharded DTensor is keyed by its
-    local shard (the same on every rank for a tied pair), anything without storage by itself."""
+    local shard (the same on every rank for a tied pair), anything without storage by itself.
+    An empty shard is keyed by its tensor: a rank's empty shards can share one address (seen: a
+    (1,)-row value head's two Adam moments on rank 1 of 2), and aliasing them there only would
+    skip a gather on that rank and leave the others waiting in it."""
     local = t.to_local() if hasattr(t, "to_local") else t
+    if local.numel() == 0:
+        return (id(t),)
     try:
         return type(t), t.device, local.data_ptr(), t.dtype, tuple(t.shape), t.stride()
     except RuntimeError:
