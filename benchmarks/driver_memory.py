@@ -46,7 +46,7 @@ def one_run(model: Path, workdir: Path, name: str, iterations: int, extra: list[
     return {"driver_peak_rss_gb": round(max(rss), 3),
             "driver_peak_rss_gb_with_end": round(int(peak.read_text().split()[1]) / 2 ** 20, 3),
             "sync_bytes_per_iteration": rows[-1]["sync/bytes"],
-            "driver_sync_bytes_per_iteration": rows[-1]["sync/driver_bytes"],
+            "driver_sync_bytes_per_iteration": rows[-1].get("sync/driver_bytes"),   # None before the metric existed
             "weight_sync_s_median": round(statistics.median(r["time/weight_sync_s"] for r in rows), 3),
             "iteration_s_median": round(statistics.median(r["time/iteration_s"] for r in rows[1:]), 2)}
 
