@@ -170,12 +170,12 @@ def role_sequence(strategy: str, distributed: bool) -> dict:
     actor.update(batch, V0, 0, seed=1, kl_coef=0.0)
     actor.restore_snapshot()
     out["m1"] = actor.update(batch, V0, 0, seed=1, kl_coef=0.0)
-    out["w1"] = actor.weights()
+    out["w1"], out["w1_hash"] = published(actor)
     model_state, optim_state = full_state(actor.worker.model.state_dict()), full_optimizer_state(actor.worker.optimizer)
     resumed = ready(ActorRank(make_actor, 0, strategy))
     resumed.load_state(model_state, optim_state, {"step": actor.worker.step})
     out["m2"] = resumed.update(batch, V0, 1, seed=2, kl_coef=0.0)
-    out["w2"], out["state"] = resumed.weights(), resumed.state()
+    (out["w2"], _), out["state"] = published(resumed), resumed.state()
     with warnings.catch_warnings(record=True) as caught:   # FSDP2 must hook the critic's outputs
         warnings.simplefilter("always")
         critic = ready(CriticRank(make_critic, 0, strategy))
@@ -187,9 +187,16 @@ def role_sequence(strategy: str, distributed: bool) -> dict:
         critic.update(batch)
         critic.restore_snapshot()
         out["cm"] = critic.update(batch)
-        out["wc"] = critic.weights()
+        out["wc"] = (critic.state(optim=False) or (None,))[0]
     out["critic_warnings"] = [str(w.message) for w in caught if "view" in str(w.message)]
     return out
+
+
+def published(rank) -> tuple[dict | None, str]:
+    """ActorRank.publish outside Ray: (rank 0's full weights, else None; the hash of its weights
+    that the rank reports)."""
+    out = rank.publish(0, "fp32", None)
+    return (None, out) if isinstance(out, str) else (out[0], out[2])
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -199,7 +206,8 @@ def test_role_ranks_on_two_processes_give_the_one_process_results(launched, stra
     r0, r1 = (r[strategy] for r in launched)
     assert r0["sharded"] == r1["sharded"] == (strategy == "fsdp2") and not one["sharded"]
     assert r0["critic_warnings"] == r1["critic_warnings"] == []   # no view output that drops FSDP2's backward hook
-    assert isinstance(r1["w1"], str) and r1["state"] is None       # rank 0 ships, the others only gather
+    assert r1["w1"] is None and r1["state"] is None and r1["wc"] is None   # rank 0 ships, the others only gather
+    assert r1["w1_hash"] == r0["w1_hash"]                                 # ... and report the hash of theirs
     seven = make_batch().select_ids(sorted(make_batch().sample_ids)[:7])
     assert [len(r0["old"][0]), len(r1["old"][0])] == [4, 3]
     assert torch.allclose(join_rows(seven, [r0["old"], r1["old"]]), one["old"][1], atol=1e-6, rtol=0)

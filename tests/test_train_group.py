@@ -9,6 +9,7 @@ in-process runs both strategies are compared with run once for the module."""
 from __future__ import annotations
 
 import copy
+import functools
 import json
 
 import pytest
@@ -86,6 +87,32 @@ def experience(run_dir, it):
 
 def metrics(run_dir):
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_fsdp2_ranks_are_shipped_a_weightless_template_not_the_model():
+    """With fsdp2 (no LoRA) what every rank receives is a template of the model, its weights on
+    the meta device (the full state goes to the object store once and only rank 0 reads it:
+    roles/distributed.fill_from_rank0, run end to end by the fsdp2 tests below). Pickled as Ray
+    ships an actor's arguments, it is a few percent of the weights it stands for; the worker it
+    makes is the role over whatever model it is given, with its own optimizer."""
+    cloudpickle = pytest.importorskip("ray.cloudpickle", reason="data-parallel roles need ray")
+    from sealrl.models.synthetic import build_mid
+    from sealrl.placement.train_group import sharded_from_rank0
+    from sealrl.roles.distributed import fsdp2_available
+    if not fsdp2_available():
+        pytest.skip("FSDP2 is not in this torch: every rank receives the model")
+    cfg = build_config(None, [])
+    model = build_mid(0)[0]
+    make = functools.partial(Actor, model, cfg.actor, cfg.algorithm, "run", "tok", 1.0, 0, 10, HORIZON)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())   # a tied pair once
+    make_worker, template = sharded_from_rank0(make, "fsdp2")
+    shipped = len(cloudpickle.dumps((make_worker, template)))
+    assert shipped < 0.05 * weight_bytes, (shipped, weight_bytes)
+    assert len(cloudpickle.dumps(make)) > weight_bytes   # what each rank received before
+    assert all(p.is_meta for p in template.parameters()) and all(p.requires_grad for p in template.parameters())
+    actor = make_worker(model)
+    assert actor.model is model and actor.optimizer.param_groups[0]["params"][0] is next(model.parameters())
+    assert sharded_from_rank0(make, "allreduce") is None   # every rank holds the whole model anyway
 
 
 def test_join_rows_places_each_rank_s_rows_by_sample_id():

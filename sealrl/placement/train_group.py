@@ -41,6 +41,7 @@ model is on CUDA (`actor.device` / `critic.device`), gloo on CPU.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +54,7 @@ from sealrl.placement.workers import HOSTS, WorkerError, WorkerGroup
 from sealrl.roles.common import batch_log_probs, pass_counter
 from sealrl.roles.distributed import (
     decoder_layers,
+    fill_from_rank0,
     fsdp2_available,
     fsdp2_shard,
     full_optimizer_state,
@@ -87,16 +89,32 @@ class TrainRank:
 
     forward_methods: tuple[str, ...] = ()   # root methods that run a forward besides `forward`
 
-    def __init__(self, make_worker: Callable[[], Any], run_seed: int, dp_strategy: str = "allreduce") -> None:
-        self.worker = make_worker()
+    def __init__(self, make_worker: Callable[..., Any], run_seed: int, dp_strategy: str = "allreduce",
+                 template: torch.nn.Module | None = None, weights: list | None = None) -> None:
+        """`make_worker()` makes the worker here; with `template` (fsdp2: the model with its weights
+        on the meta device, sharded_from_rank0) the worker is `make_worker(model)`, made in
+        `setup` once rank 0 has filled every rank's shards from `weights` ([a reference to the
+        full state in Ray's object store], read by rank 0 only): no other rank receives the whole
+        model."""
         self.run_seed, self.dp_strategy = run_seed, dp_strategy
+        self._deferred = (make_worker, template, weights) if template is not None else None
+        self.worker = make_worker() if template is None else None
         self._snapshot: dict | None = None
 
     def setup(self) -> int:
         """After joining the group: this rank's derived seed, deterministic kernels; with fsdp2,
         the model sharded (decoder layers, then the root) and the optimizer made again over the
-        sharded parameters (it held the replaced ones)."""
+        sharded parameters (it held the replaced ones), or, from a template, the shards filled
+        and the worker made over them."""
         rank, size = world()
+        if self._deferred is not None:
+            make_worker, template, weights = self._deferred
+            fsdp2_shard(template, decoder_layers(template), self.forward_methods)
+            fill_from_rank0(template, weights[0] if rank == 0 else None)
+            self.worker, self._deferred = make_worker(template), None
+            torch.manual_seed(rank_seed(self.run_seed, rank))
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            return rank
         torch.manual_seed(rank_seed(self.run_seed, rank))
         torch.use_deterministic_algorithms(True, warn_only=True)
         if self.dp_strategy == "fsdp2" and size > 1 and not fsdp2_available():
@@ -441,6 +459,25 @@ def start_ray(placement, closers: list) -> None:
     if not ray.is_initialized():
         init_ray(placement.address or None, (placement.num_cpus or None) if not placement.address else None)
         closers.append(ray.shutdown)
+
+
+def sharded_from_rank0(make_worker: functools.partial, dp_strategy: str) -> tuple | None:
+    """(model -> worker factory, weightless template of the model) when the ranks can build
+    their shards without each receiving the whole model: fsdp2 in this torch, and no LoRA (an
+    actor with LoRA hashes its frozen base when it is made, which needs the whole base). None
+    otherwise. `make_worker` is functools.partial(Role, model, ...), as trainer/setup.py makes it."""
+    from sealrl.models.lora import has_lora
+    from sealrl.rollout.backends import weightless_template
+    model = make_worker.args[0]
+    if dp_strategy != "fsdp2" or not fsdp2_available() or has_lora(model):
+        return None
+    return (functools.partial(_made_with, make_worker.func, make_worker.args[1:], make_worker.keywords),
+            weightless_template(model, trainable=True))
+
+
+def _made_with(role: Callable, args: tuple, kwargs: dict, model: torch.nn.Module):
+    """role(model, *args, **kwargs): the worker, made over the model a rank filled."""
+    return role(model, *args, **kwargs)
 
 
 def ray_train_group(role: str, rank_factory: Callable[[], TrainRank], num_workers: int, model,

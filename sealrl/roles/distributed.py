@@ -248,6 +248,25 @@ def full_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return copy_once(state, lambda t: _full(t).detach().cpu())   # a tied pair: gathered once
 
 
+def fill_from_rank0(model: torch.nn.Module, full_state_ref) -> None:
+    """A model built on the meta device (its non-persistent buffers real, e.g. RoPE frequencies:
+    rollout/backends.weightless_template), sharded, then filled: rank 0 reads the full state from
+    Ray's object store (`full_state_ref`; None on the others) and torch broadcasts to each rank
+    only its shards (set_model_state_dict, broadcast_from_rank0). Every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    device = _device()
+    kept = [(m, name, b) for m in model.modules() for name, b in m._buffers.items()
+            if b is not None and name in m._non_persistent_buffers_set]
+    model.to_empty(device=device)   # storage for every parameter and buffer, values unset
+    for m, name, b in kept:   # to_empty replaced these too: their values are not in any state dict
+        m._buffers[name] = b.to(device)
+    full = {}
+    if full_state_ref is not None:
+        import ray
+        full = ray.get(full_state_ref)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
 def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
     """optimizer.state_dict() with DTensor state (moments of sharded parameters) gathered whole
     (a collective when sharded: keys are visited in sorted order on every rank)."""

@@ -22,23 +22,26 @@ from transformers import DynamicCache, PreTrainedModel
 from sealrl.rollout.lean import KVCache, LeanCausalLM, lean_unsupported_reason
 
 
-def weightless_template(model: PreTrainedModel) -> PreTrainedModel:
+def weightless_template(model: PreTrainedModel, trainable: bool = False) -> PreTrainedModel:
     """A copy of `model` whose state-dict tensors live on the meta device.
 
     It keeps the structure and the non-persistent buffers (e.g. RoPE frequencies) the HF
     forward needs, and costs no memory per weight: the deepcopy memo maps every parameter and
     persistent buffer to a meta tensor up front, so no weight is ever copied (a tied pair
-    stays one tensor). Each version's weights are assigned into a fresh copy of it.
+    stays one tensor). Each version's weights are assigned into a fresh copy of it. `trainable`:
+    each parameter keeps its requires_grad and the copy its training mode (a data-parallel
+    rank's model, filled from rank 0: roles/distributed.fill_from_rank0).
     """
     memo: dict[int, torch.Tensor] = {}
     for module in model.modules():
         for p in module._parameters.values():
             if p is not None and id(p) not in memo:
-                memo[id(p)] = nn.Parameter(p.detach().to("meta"), requires_grad=False)
+                memo[id(p)] = nn.Parameter(p.detach().to("meta"), requires_grad=trainable and p.requires_grad)
         for name, b in module._buffers.items():
             if b is not None and name not in module._non_persistent_buffers_set:
                 memo.setdefault(id(b), b.detach().to("meta"))
-    return copy.deepcopy(model, memo).eval()
+    copied = copy.deepcopy(model, memo)
+    return copied if trainable else copied.eval()
 
 
 class LeanBackend:

@@ -335,7 +335,13 @@ def data_parallel_role(cfg: Config, role: str, make_worker, local, closers: list
     train_group.start_ray(cfg.placement, closers)
     rank, facade = {"actor": (train_group.ActorRank, train_group.ActorGroup),
                     "critic": (train_group.CriticRank, train_group.CriticGroup)}[role]
-    factory = functools.partial(rank, make_worker, cfg.run.seed, cfg.placement.dp_strategy)
+    deferred = train_group.sharded_from_rank0(make_worker, cfg.placement.dp_strategy)
+    if deferred is None:   # every rank receives the whole model and makes its worker from it
+        factory = functools.partial(rank, make_worker, cfg.run.seed, cfg.placement.dp_strategy)
+    else:   # a weightless template; rank 0 alone reads the weights and fills every rank's shards
+        import ray
+        weights = [ray.put(local.model.state_dict())]
+        factory = functools.partial(rank, deferred[0], cfg.run.seed, "fsdp2", deferred[1], weights)
     p = cfg.placement
     bundle = {"num_cpus_per_worker": p.cpus_per_rank, "strategy": p.strategy.upper(),
               "resources": ray_resources(p.rank_resources, "placement.rank_resources")}
