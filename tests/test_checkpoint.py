@@ -3,13 +3,12 @@ import json
 import pytest
 import torch
 
+from sealrl.roles.common import optimizer_from_flat, optimizer_to_flat
 from sealrl.trainer.resume.checkpoint import (
     CheckpointError,
     StreamedPart,
     latest_checkpoint,
     load_checkpoint,
-    optimizer_from_flat,
-    optimizer_to_flat,
     rng_from_flat,
     rng_to_flat,
     save_checkpoint,

@@ -340,13 +340,15 @@ def test_grpo_run_with_lora_on_vllm_is_audited_and_records_the_backend(tmp_path)
 
 @needs_vllm
 @pytest.mark.slow
-def test_an_async_run_on_vllm_samples_one_version_behind_and_is_audited(tmp_path):
+@pytest.mark.parametrize("lane", ["thread", "process"])
+def test_an_async_run_on_vllm_samples_one_version_behind_and_is_audited(tmp_path, lane):
     """rollout.max_staleness=1: the generation lane samples iteration i with the version one
     publication behind while the training lane publishes the next (retained copies, loaded into
-    vLLM by the call that asks for one)."""
+    vLLM by the call that asks for one). With rollout.lane=process the engine is served from a
+    process of its own (a pool of one), which starts vLLM's engine process in turn."""
     from sealrl.audit import audit_run
     run = _short_run(tmp_path, "arith_grpo.yaml", "rollout.max_staleness=1", "algorithm.correction=token_is",
-                     "run.iterations=3")
+                     "run.iterations=3", f"rollout.lane={lane}")
     assert audit_run(run).failed_checks() == []
     consumed = [json.loads(x) for x in (run / "experience" / "consumed.jsonl").read_text().splitlines()]
     sampled = [c["sampled_by"].split("#")[0] for c in consumed]

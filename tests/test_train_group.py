@@ -97,7 +97,7 @@ def test_fsdp2_ranks_are_shipped_a_weightless_template_not_the_model():
     makes is the role over whatever model it is given, with its own optimizer."""
     cloudpickle = pytest.importorskip("ray.cloudpickle", reason="data-parallel roles need ray")
     from sealrl.models.synthetic import build_mid
-    from sealrl.placement.train_group import sharded_from_rank0
+    from sealrl.placement.train_ray import sharded_from_rank0
     from sealrl.roles.distributed import fsdp2_available
     if not fsdp2_available():
         pytest.skip("FSDP2 is not in this torch: every rank receives the model")

@@ -41,17 +41,15 @@ model is on CUDA (`actor.device` / `critic.device`), gloo on CPU.
 """
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from sealrl.config import StoppedRun
 from sealrl.experience import ExperienceBatch, PolicyVersion, Role
-from sealrl.models.precision import model_device, process_group_backend
 from sealrl.placement.workers import HOSTS, WorkerError, WorkerGroup
-from sealrl.roles.common import batch_log_probs, pass_counter
+from sealrl.roles.common import batch_log_probs, optimizer_to_flat, pass_counter
 from sealrl.roles.distributed import (
     decoder_layers,
     fill_from_rank0,
@@ -71,7 +69,6 @@ from sealrl.roles.distributed import (
 from sealrl.sync.adapter import copy_once, rollout_copy, sync_bytes
 from sealrl.sync.manifest import WeightManifest, entries_digest, tensor_entry
 from sealrl.sync.remote import RemoteState, received, stored
-from sealrl.trainer.resume.checkpoint import StreamedPart, optimizer_to_flat
 
 COLLECTIVES = "_collectives_s"   # a rank's seconds in explicit collectives, beside its update's metrics
 CHECKPOINT_BUCKET_BYTES = 64 << 20   # optimizer state per call when a checkpoint gathers it from the ranks
@@ -142,7 +139,7 @@ class TrainRank:
 
     def optimizer_layout(self) -> tuple[list[tuple[str, int]], dict] | None:
         """Rank 0: (key, bytes) of every tensor of the full optimizer state in a checkpoint's flat
-        form (resume/checkpoint.optimizer_to_flat), and its JSON part; None on the others.
+        form (roles/common.optimizer_to_flat), and its JSON part; None on the others.
         Nothing is gathered: a sharded moment's shape is its whole tensor's."""
         tensors, meta = optimizer_to_flat(self.worker.optimizer)
         if world()[0] != 0:
@@ -359,10 +356,11 @@ class _RoleGroup:
             return results[0][0]
         return {**results[0][0], f"perf/{role}_collectives_s": max(seconds)}
 
-    def optimizer_checkpoint(self) -> tuple[StreamedPart, dict]:
-        """The ranks' full optimizer state for a checkpoint, never whole in the driver: its layout,
-        then the tensors CHECKPOINT_BUCKET_BYTES at a time, gathered by every rank and shipped by
-        rank 0 while the checkpoint writes them (resume/checkpoint.StreamedPart)."""
+    def optimizer_checkpoint(self) -> tuple[Iterator[dict[str, torch.Tensor]], dict]:
+        """The ranks' full optimizer state for a checkpoint, never whole in the driver: its JSON
+        part, and chunks of its tensors, CHECKPOINT_BUCKET_BYTES at a time (at least one chunk),
+        each gathered by every rank and shipped by rank 0 when the checkpoint asks for it
+        (trainer/resume/checkpoint.StreamedPart writes each as it comes)."""
         layout, meta = self.replicas.call("optimizer_layout")[0]
         buckets: list[list[str]] = [[]]
         size = 0
@@ -372,7 +370,7 @@ class _RoleGroup:
                 size = 0
             buckets[-1].append(key)
             size += nbytes
-        return StreamedPart(self.replicas.call("optimizer_tensors", keys)[0] for keys in buckets), meta
+        return (self.replicas.call("optimizer_tensors", keys)[0] for keys in buckets), meta
 
     def snapshot(self) -> dict:
         """Every rank keeps its own (sharded) committed state; the driver keeps the counters."""
@@ -446,69 +444,3 @@ class CriticGroup(_RoleGroup):
 
     def update(self, batch: ExperienceBatch, seed: int = 0) -> dict[str, float]:
         return self._update("critic", self.replicas.share(batch), seed)
-
-
-# ---- building on Ray -----------------------------------------------------------------------
-
-def start_ray(placement, closers: list) -> None:
-    """A local Ray started here (shut down by `closers`), or the cluster at placement.address;
-    nothing when Ray is already up (a test's, or another role's)."""
-    import ray
-
-    from sealrl.placement.workers import init_ray
-    if not ray.is_initialized():
-        init_ray(placement.address or None, (placement.num_cpus or None) if not placement.address else None)
-        closers.append(ray.shutdown)
-
-
-def sharded_from_rank0(make_worker: functools.partial, dp_strategy: str) -> tuple | None:
-    """(model -> worker factory, weightless template of the model) when the ranks can build
-    their shards without each receiving the whole model: fsdp2 in this torch, and no LoRA (an
-    actor with LoRA hashes its frozen base when it is made, which needs the whole base). None
-    otherwise. `make_worker` is functools.partial(Role, model, ...), as trainer/setup.py makes it."""
-    from sealrl.models.lora import has_lora
-    from sealrl.rollout.backends import weightless_template
-    model = make_worker.args[0]
-    if dp_strategy != "fsdp2" or not fsdp2_available() or has_lora(model):
-        return None
-    return (functools.partial(_made_with, make_worker.func, make_worker.args[1:], make_worker.keywords),
-            weightless_template(model, trainable=True))
-
-
-def _made_with(role: Callable, args: tuple, kwargs: dict, model: torch.nn.Module):
-    """role(model, *args, **kwargs): the worker, made over the model a rank filled."""
-    return role(model, *args, **kwargs)
-
-
-def ray_train_group(role: str, rank_factory: Callable[[], TrainRank], num_workers: int, model,
-                    timeout_s: float, closers: list, pool=None, bundle: dict | None = None) -> WorkerGroup:
-    """`num_workers` Ray actors hosting `rank_factory()`, joined in one process group (gloo;
-    nccl when `model` is on CUDA, one GPU per rank), each seeded by its rank: in their own
-    placement group (`bundle`: PoolSpec's CPUs, custom resources and strategy; 1 CPU each by
-    default), or rank k on bundle k of a shared `pool` (colocated with the rollout replicas;
-    its creator closes it)."""
-    from sealrl.placement.workers import PoolSpec, RayPool, RayWorkerGroup
-    backend = process_group_backend(model_device(model))
-    cuda = backend == "nccl"
-    own = pool is None
-    if own:
-        pool = RayPool(PoolSpec(name=role, roles=(role,), num_workers=num_workers, **(bundle or {}),
-                                num_gpus_per_worker=1.0 if cuda else 0.0), timeout_s=timeout_s)
-    elif pool.spec.num_workers != num_workers:
-        raise ValueError(f"{role}: {num_workers} ranks cannot share pool {pool.spec.name} of "
-                         f"{pool.spec.num_workers} bundles")
-    group = None
-    try:  # a rank that fails to start or join: nothing of this group is left behind
-        group = RayWorkerGroup(role, rank_factory, pool, timeout_s=timeout_s, threads=1)
-        group.init_process_group(backend, timeout_s=timeout_s)
-        ranks = group.call("setup", timeout_s=timeout_s)
-        if ranks != list(range(num_workers)):
-            raise RuntimeError(f"{role}: ranks {ranks} do not match worker indices")
-    except BaseException:
-        if group is not None:
-            group.close()
-        if own:
-            pool.close()
-        raise
-    closers.extend([pool.close, group.close] if own else [group.close])  # reverse: actors, then pool
-    return group

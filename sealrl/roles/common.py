@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -218,3 +219,30 @@ def optimizer_step(model, optimizer: torch.optim.Optimizer, grad_clip: float, lr
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)   # free the gradients now: the next step starts from none
     return grad_norm
+
+
+# ---- an optimizer's state as named tensors + JSON (a checkpoint's form: trainer/resume) ----------
+
+def optimizer_to_flat(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """Adam-style state: every tensor under `state.<param index>.<name>`, the rest as JSON."""
+    sd = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for idx, entry in sd["state"].items():
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state.{idx}.{name}"] = value
+            else:
+                scalars[f"{idx}.{name}"] = value
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def optimizer_from_flat(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        _, idx, name = key.split(".", 2)
+        state.setdefault(int(idx), {})[name] = value
+    for key, value in meta["scalars"].items():
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = value
+    groups = [dict(g, betas=tuple(g["betas"])) if "betas" in g else g for g in meta["param_groups"]]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

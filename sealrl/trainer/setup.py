@@ -268,9 +268,9 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
         if cfg.algorithm.kl_coef > 0 and cfg.placement.reference == "ray":
             # its own Ray actor: the frozen copy off the driver (with LoRA, a copy of the base and
             # adapter, used with the adapter off as here)
-            from sealrl.placement import train_group
+            from sealrl.placement import train_ray
             from sealrl.placement.remote_reference import ray_reference
-            train_group.start_ray(cfg.placement, closers)
+            train_ray.start_ray(cfg.placement, closers)
             reference = ray_reference(make_reference, ref_version, cfg.placement, cfg.reference.device == "cuda",
                                       closers)
         elif cfg.algorithm.kl_coef > 0:
@@ -318,9 +318,9 @@ def shared_pool(cfg: Config, closers: list):
     p = cfg.placement
     if p.backend != "ray" or p.rollout_pool != "colocated" or p.actor_ranks == 1:
         return None
-    from sealrl.placement import train_group
+    from sealrl.placement import train_ray
     from sealrl.placement.workers import RayPool
-    train_group.start_ray(p, closers)
+    train_ray.start_ray(p, closers)
     pool = RayPool(rollout_pool_spec(p), timeout_s=p.timeout_s)
     closers.append(pool.close)
     return pool
@@ -331,11 +331,11 @@ def data_parallel_role(cfg: Config, role: str, make_worker, local, closers: list
     in one process group, behind a facade with the worker's interface (placement/train_group.py).
     `local`, built from the same factory, stays here as the mirror of the ranks for checkpoints.
     `placement.dp_strategy`: fsdp2 shards each rank's model (FSDP2), allreduce replicates it."""
-    from sealrl.placement import train_group
-    train_group.start_ray(cfg.placement, closers)
+    from sealrl.placement import train_group, train_ray
+    train_ray.start_ray(cfg.placement, closers)
     rank, facade = {"actor": (train_group.ActorRank, train_group.ActorGroup),
                     "critic": (train_group.CriticRank, train_group.CriticGroup)}[role]
-    deferred = train_group.sharded_from_rank0(make_worker, cfg.placement.dp_strategy)
+    deferred = train_ray.sharded_from_rank0(make_worker, cfg.placement.dp_strategy)
     if deferred is None:   # every rank receives the whole model and makes its worker from it
         factory = functools.partial(rank, make_worker, cfg.run.seed, cfg.placement.dp_strategy)
     else:   # a weightless template; rank 0 alone reads the weights and fills every rank's shards
@@ -345,7 +345,7 @@ def data_parallel_role(cfg: Config, role: str, make_worker, local, closers: list
     p = cfg.placement
     bundle = {"num_cpus_per_worker": p.cpus_per_rank, "strategy": p.strategy.upper(),
               "resources": ray_resources(p.rank_resources, "placement.rank_resources")}
-    group = train_group.ray_train_group(role, factory, getattr(p, f"{role}_ranks"), local.model,
+    group = train_ray.ray_train_group(role, factory, getattr(p, f"{role}_ranks"), local.model,
                                         p.timeout_s, closers, pool if role == "actor" else None, bundle)
     return facade(group, local, cfg.placement.timeout_s)
 
@@ -390,12 +390,12 @@ def ray_rollout_pool(cfg: Config, template, tokenizer, closers: list, shared=Non
     the driver loop does not change. Weights reach them only through the two-phase,
     manifest-verified sync; requests are dispatched and joined by sample id; a replica whose
     process dies is replaced and synced to the active version before it serves."""
-    from sealrl.placement import train_group
+    from sealrl.placement import train_ray
     from sealrl.placement.rollout_pool import RolloutPool
     from sealrl.placement.workers import RayPool, RayWorkerGroup
     from sealrl.rollout.backends import weightless_template
     p = cfg.placement
-    train_group.start_ray(p, closers)
+    train_ray.start_ray(p, closers)
     spec = rollout_pool_spec(p)
     pool = shared
     if pool is None:

@@ -222,31 +222,6 @@ def load_checkpoint(folder: Path, parts: list[str]) -> tuple[dict[str, dict[str,
 
 # ---- flattening of optimizer and RNG state into tensors + JSON ------------------------------
 
-def optimizer_to_flat(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    """Adam-style state: every tensor under `state.<param index>.<name>`, the rest as JSON."""
-    sd = optimizer.state_dict()
-    tensors, scalars = {}, {}
-    for idx, entry in sd["state"].items():
-        for name, value in entry.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"state.{idx}.{name}"] = value
-            else:
-                scalars[f"{idx}.{name}"] = value
-    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
-
-
-def optimizer_from_flat(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-    state: dict[int, dict[str, Any]] = {}
-    for key, value in tensors.items():
-        _, idx, name = key.split(".", 2)
-        state.setdefault(int(idx), {})[name] = value
-    for key, value in meta["scalars"].items():
-        idx, name = key.split(".", 1)
-        state.setdefault(int(idx), {})[name] = value
-    groups = [dict(g, betas=tuple(g["betas"])) if "betas" in g else g for g in meta["param_groups"]]
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
-
-
 def rng_to_flat() -> dict[str, torch.Tensor]:
     out = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():

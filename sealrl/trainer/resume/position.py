@@ -19,13 +19,13 @@ from sealrl.experience.store import read_consumed, read_iteration
 from sealrl.models.hf import model_config_hash, tokenizer_hash
 from sealrl.models.lora import checkpoint_exports, load_trainable_state, trainable_state
 from sealrl.rewards.base import reward_identity
+from sealrl.roles.common import optimizer_from_flat, optimizer_to_flat
 from sealrl.trainer.adapters import base_hash
 from sealrl.trainer.resume.checkpoint import (
     CheckpointError,
+    StreamedPart,
     fsync_file,
     load_checkpoint,
-    optimizer_from_flat,
-    optimizer_to_flat,
     prune_checkpoints,
     resume_checkpoint,
     rng_from_flat,
@@ -86,7 +86,10 @@ def optimizer_part(role) -> tuple:
     it from its ranks (ActorGroup / CriticGroup.optimizer_checkpoint), so the driver never holds
     the whole of it; a role in this process flattens its own."""
     streamed = getattr(role, "optimizer_checkpoint", None)
-    return streamed() if streamed is not None else optimizer_to_flat(role.optimizer)
+    if streamed is None:
+        return optimizer_to_flat(role.optimizer)
+    chunks, meta = streamed()
+    return StreamedPart(chunks), meta
 
 
 def _layout(cfg: Config) -> dict:
