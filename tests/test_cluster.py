@@ -203,3 +203,14 @@ def test_the_reference_off_the_driver_is_checked_at_load():
     # with LoRA the Ray actor holds its own copy of base and adapter, used with the adapter off
     check_config(build_config(None, [*RAY, "placement.reference=ray", "actor.lora.rank=4"]))
     check_config(build_config(None, [*RAY, "placement.reference=ray", "algorithm.kl_coef=0.05"]))
+
+
+def test_the_scorers_off_the_driver_are_checked_at_load():
+    from sealrl.config import check_config
+    with pytest.raises(ConfigError, match="placement.scorers must be driver unless placement.backend=ray"):
+        build_config(None, ["placement.scorers=ray"])
+    with pytest.raises(ConfigError, match="placement.scorers must be driver or ray"):
+        build_config(None, [*RAY, "placement.scorers=node"])
+    with pytest.raises(ConfigError, match="reward.stream is not built for placement.scorers=ray"):
+        check_config(build_config(None, [*RAY, "placement.scorers=ray", "reward.stream=true", "reward.num_scorers=1"]))
+    check_config(build_config(None, [*RAY, "placement.scorers=ray", "reward.num_scorers=2"]))

@@ -120,7 +120,9 @@ def _leaf_keys(obj, prefix: str = "") -> list[str]:
 # reference (driver | ray: the KL reference off the driver): 145.
 # Session 14 (issue 31) added algorithm.mismatch_action (stop | drop_group: end the run or train on
 # without the groups past algorithm.mismatch_tol, a trade only the user can choose): 146.
-KEY_BUDGET = 146
+# Session 16 (issue 27, item 2: the scorers as a Ray role when the user wants them off the
+# driver) added placement.scorers (driver | ray), the twin of placement.reference: 147.
+KEY_BUDGET = 147
 
 
 def test_the_number_of_config_keys_does_not_grow_unnoticed():

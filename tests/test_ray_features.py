@@ -77,3 +77,41 @@ def test_a_feature_on_ray_replicas_gives_the_local_run_and_audits(tmp_path, tiny
         assert [c["iteration"] for c in consumed] == list(range(ITERATIONS))
         sampled = [c["sampled_by"] for c in consumed]
         assert sampled[1] == sampled[0] and sampled[2].split("#")[0] == consumed[0]["committed"], consumed
+
+
+REWARD_FILE = '''
+def score(response, ground_truth):   # the digits of the answer, partly right or not at all
+    want, got = str(ground_truth).strip(), response.strip()
+    return sum(a == b for a, b in zip(want, got)) / max(len(want), 1)
+'''
+
+
+def test_scorers_off_the_driver_give_the_driver_scored_run_with_no_reward_file_on_their_node(
+        tmp_path, tiny_model_dir, shared_ray, monkeypatch):
+    """placement.scorers=ray: the reward role and its 2 scorer processes in a Ray actor of their
+    own. The reward file, named by a path relative to where the run starts, is read once on the
+    driver and travels as text: it is deleted before the actor starts, and the records are still
+    the driver-scored run's, record for record, and so are the weights."""
+    from sealrl.placement import remote_reward
+    (tmp_path / "my_reward.py").write_text(REWARD_FILE)
+    monkeypatch.chdir(tmp_path)
+    args = ["reward.fn=my_reward.py:score", "reward.num_scorers=2", *RAY]
+    local, local_dir = _run(tmp_path / "driver", tiny_model_dir, *args)
+    built = remote_reward.ray_reward
+
+    def without_the_file(*a, **k):
+        (tmp_path / "my_reward.py").unlink()
+        return built(*a, **k)
+
+    monkeypatch.setattr(remote_reward, "ray_reward", without_the_file)
+    remote, ray_dir = _run(tmp_path / "ray", tiny_model_dir, *args, "placement.scorers=ray")
+    assert not (tmp_path / "my_reward.py").exists()
+    for it in range(ITERATIONS):
+        a = read_iteration(local_dir / "experience" / f"iter_{it:06d}.parquet").get("reward_records")
+        b = read_iteration(ray_dir / "experience" / f"iter_{it:06d}.parquet").get("reward_records")
+        assert [(r.status, r.total, r.components) for r in a] == [(r.status, r.total, r.components) for r in b]
+        assert {r.status.value for r in b} == {"ok"} and len({r.total for r in b}) > 1   # scored, not one value
+    assert remote["policy_version"] == local["policy_version"]
+    where = json.loads((ray_dir / "placement.json").read_text())
+    assert ("reward", 0) in {(w["role"], w["worker"]) for w in where["workers"]}
+    assert not audit_run(ray_dir).failed_checks()

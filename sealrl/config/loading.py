@@ -169,6 +169,10 @@ def check_config(cfg: Config) -> None:
     if cfg.reward.stream and not cfg.reward.num_scorers:   # trainer/variants/streaming.py
         raise ConfigError("reward.stream needs reward.num_scorers >= 1 (inline scoring would run between decode "
                           f"steps: nothing overlaps), got {cfg.reward.num_scorers}", "reward.stream")
+    if cfg.reward.stream and cfg.placement.scorers == "ray":
+        raise ConfigError("reward.stream is not built for placement.scorers=ray (the samples would have to reach "
+                          "the scorers' node one by one); set placement.scorers=driver or reward.stream=false",
+                          "reward.stream")
     for key, reason in rollout_seam.refusals(cfg):   # what the selected rollout client cannot do
         raise ConfigError(reason, key)
     check_rollout_backend(cfg)   # rollout.backend=vllm: its sampling filters, and installed (config/rollout_backend.py)

@@ -413,6 +413,7 @@ class PlacementConfig:
     rank_resources: str = resumable("")    # the same per data-parallel rank: where the ranks may go
     head_grace_s: float = resumable(30.0)  # the Ray head unreachable this long: a named stop (exit 2)
     reference: str = resumable("driver")   # where the KL reference runs: driver | ray (its own Ray actor)
+    scorers: str = resumable("driver")     # where the reward scorers run: driver | ray (a Ray actor and its node)
 
     def __post_init__(self):
         _check(self.backend in ("local", "ray"), "placement.backend", "local or ray", self.backend)
@@ -421,6 +422,9 @@ class PlacementConfig:
         _check(self.reference in ("driver", "ray"), "placement.reference", "driver or ray", self.reference)
         _check(self.reference == "driver" or self.backend == "ray", "placement.reference",
                "driver unless placement.backend=ray", self.reference)
+        _check(self.scorers in ("driver", "ray"), "placement.scorers", "driver or ray", self.scorers)
+        _check(self.scorers == "driver" or self.backend == "ray", "placement.scorers",
+               "driver unless placement.backend=ray", self.scorers)
         _check(self.gpus_per_replica >= 0, "placement.gpus_per_replica", ">= 0", self.gpus_per_replica)
         _check(0 < self.head_grace_s < 60, "placement.head_grace_s", "> 0 and < 60 (Ray's own client aborts at 60 s)",
                self.head_grace_s)

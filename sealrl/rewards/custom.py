@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sealrl.config import ConfigError, relative_note
-from sealrl.plugins import file_hash, import_file, is_file_spec
+from sealrl.plugins import file_hash, import_file, import_source, is_file_spec
 from sealrl.rewards.base import RawScore, RewardSample
 
 # parameter name -> what it receives from the sample
@@ -101,12 +101,15 @@ def load_function(spec: str, key: str) -> tuple[Callable, str | None, str]:
 class CustomReward:
     """A user function as a RewardFunction. `name` is the spec as written in the config (it is
     stamped on every record and named in every error); `version` hashes the function's file, so
-    an edited reward file refuses a resume (sealrl.trainer.resume.position)."""
+    an edited reward file refuses a resume (sealrl.trainer.resume.position). A reward file's text
+    is read once, here on the driver, and travels with the function: a scorer process, on this
+    node or another (placement.scorers=ray), loads that text, whether or not the file is there."""
 
     def __init__(self, spec: str, key: str = "reward.fn") -> None:
         self._fn, self.source, where = load_function(spec, key)
         self.spec, self.name = spec, spec
         self.version = file_hash(self.source)
+        self.text = Path(self.source).read_text() if is_file_spec(spec.rpartition(":")[0]) else None
         self.positional, self.keywords = _bind_plan(self._fn, where, key)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -116,7 +119,7 @@ class CustomReward:
         if self._fn is not None:
             return
         target, _, attr = self.spec.rpartition(":")
-        module = (import_file(Path(self.source), USER_MODULE_PREFIX) if is_file_spec(target)
+        module = (import_source(self.text, self.source, USER_MODULE_PREFIX) if self.text is not None
                   else importlib.import_module(target))
         self._fn = getattr(module, attr)
 

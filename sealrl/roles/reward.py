@@ -11,7 +11,7 @@ from sealrl.rewards.pool import RewardPool
 class Reward:
     def __init__(self, fn, num_scorers: int, timeout_s: float, memory_mb: int = 0):
         self.pool = RewardPool(fn, num_scorers=num_scorers, timeout_s=timeout_s, memory_mb=memory_mb)
-        self.scorer = fn.name
+        self.fn, self.num_scorers, self.scorer = fn, num_scorers, fn.name
 
     def score(self, items: list[tuple[RolloutSample, str, str, object, str, dict]]) -> list[tuple[str, RewardRecord]]:
         """items: (sample, prompt text, response text, ground truth, data source, extra info). Returns

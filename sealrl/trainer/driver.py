@@ -87,7 +87,7 @@ def _train(run: Run, schedule: dict[int, int] | None = None) -> dict:
                                                                 "dropped_train_rows": data.train.num_dropped})
     setup.write_placement(run.dir)   # which node and host run each Ray worker
     logger = MetricsLogger(run.dir, cfg.run.loggers)
-    eval_kw = dict(reward_fn=setup.build_reward_fn(cfg), tokenizer=roles.tokenizer,
+    eval_kw = dict(reward_fn=roles.reward.fn, tokenizer=roles.tokenizer,   # built once, at setup
                    max_new_tokens=cfg.rollout.max_new_tokens, num=cfg.eval.num, pass_k=cfg.eval.pass_k,
                    temperature=cfg.rollout.temperature, seed=cfg.run.seed, num_scorers=cfg.reward.num_scorers,
                    timeout_s=cfg.reward.timeout_s, memory_mb=cfg.reward.scorer_memory_mb)

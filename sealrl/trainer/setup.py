@@ -188,9 +188,11 @@ class Roles:
         """Who does each role's stages, for the trace and failure messages: this process
         (`pid N`), its reward worker processes, or Ray actors."""
         here = f"pid {os.getpid()}"
-        scorers = self.reward.pool.num_scorers
+        scorers = self.reward.num_scorers
         out = {"driver": here, "reference": here,
                "reward": f"{here} + {scorers} scorer processes" if scorers else f"{here} (inline scorer)"}
+        if getattr(self.reward, "group", None) is not None:   # placement.scorers=ray
+            out["reward"] = f"1 Ray actor (reward 0) + {scorers} scorer processes on its node"
         for name in ("actor", "critic", "rollout"):
             role = getattr(self, name)
             n = getattr(role, "num_workers", None) or getattr(getattr(role, "group", None), "num_workers", None)
@@ -292,7 +294,14 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
             critic = make_critic()
             if cfg.placement.critic_ranks > 1:
                 critic = data_parallel_role(cfg, "critic", make_critic, critic, closers)
-        reward = Reward(build_reward_fn(cfg), cfg.reward.num_scorers, cfg.reward.timeout_s, cfg.reward.scorer_memory_mb)
+        if cfg.placement.scorers == "ray":   # its own Ray actor, the scorer processes on its node
+            from sealrl.placement import train_ray
+            from sealrl.placement.remote_reward import ray_reward
+            train_ray.start_ray(cfg.placement, closers)
+            reward = ray_reward(build_reward_fn(cfg), cfg.reward, cfg.placement, closers)
+        else:
+            reward = Reward(build_reward_fn(cfg), cfg.reward.num_scorers, cfg.reward.timeout_s,
+                            cfg.reward.scorer_memory_mb)
         return Roles(actor, rollout, reward, reference, critic, tokenizer, closers, rollout_base)
     except BaseException:
         for close in reversed(closers):

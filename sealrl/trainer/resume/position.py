@@ -56,7 +56,7 @@ def save_position(run_dir: Path, iteration: int, cfg: Config, roles, sampler, kl
         "tokenizer_hash": tokenizer_hash(roles.tokenizer),
         "model_config_hash": model_config_hash(actor.model.config),
         "reference_version": roles.reference.version.to_json() if roles.reference else None,
-        "reward_fn": reward_identity(roles.reward.pool.fn),
+        "reward_fn": reward_identity(roles.reward.fn),
         **_base_hashes(roles),
         "experience": "none pending: checkpoint taken after the iteration's batch was consumed",
         "sealed": _consumed_digests(run_dir, iteration),
@@ -150,7 +150,7 @@ def resume_changes(state: dict, cfg: Config, roles, data_hash: str) -> list[str]
             changes.append(f"{key}: {state[key]} -> {now}")
     ref = roles.reference.version.to_json() if roles.reference else None
     changes += _nested_diff("reference_version", _json(state["reference_version"]), _json(ref))
-    changes += _nested_diff("reward_fn", state.get("reward_fn"), reward_identity(roles.reward.pool.fn))
+    changes += _nested_diff("reward_fn", state.get("reward_fn"), reward_identity(roles.reward.fn))
     for key, now in _base_hashes(roles).items():   # LoRA: the adapter was trained on this base
         if state.get(key) != now:
             changes.append(f"{key}: {state.get(key)} -> {now}")
