@@ -294,19 +294,23 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
             critic = make_critic()
             if cfg.placement.critic_ranks > 1:
                 critic = data_parallel_role(cfg, "critic", make_critic, critic, closers)
-        if cfg.placement.scorers == "ray":   # its own Ray actor, the scorer processes on its node
-            from sealrl.placement import train_ray
-            from sealrl.placement.remote_reward import ray_reward
-            train_ray.start_ray(cfg.placement, closers)
-            reward = ray_reward(build_reward_fn(cfg), cfg.reward, cfg.placement, closers)
-        else:
-            reward = Reward(build_reward_fn(cfg), cfg.reward.num_scorers, cfg.reward.timeout_s,
-                            cfg.reward.scorer_memory_mb)
+        reward = reward_role(cfg, closers)
         return Roles(actor, rollout, reward, reference, critic, tokenizer, closers, rollout_base)
     except BaseException:
         for close in reversed(closers):
             close()
         raise
+
+
+def reward_role(cfg: Config, closers: list):
+    """The reward role in this process, or with placement.scorers=ray in a Ray actor of its own
+    (placement/remote_reward.py), its scorer processes on that actor's node."""
+    if cfg.placement.scorers != "ray":
+        return Reward(build_reward_fn(cfg), cfg.reward.num_scorers, cfg.reward.timeout_s, cfg.reward.scorer_memory_mb)
+    from sealrl.placement import train_ray
+    from sealrl.placement.remote_reward import ray_reward
+    train_ray.start_ray(cfg.placement, closers)
+    return ray_reward(build_reward_fn(cfg), cfg.reward, cfg.placement, closers)
 
 
 def vllm_options(cfg: Config) -> VllmOptions | None:
