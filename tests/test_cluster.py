@@ -2,8 +2,9 @@
 rank, GPUs per replica, custom resources per replica and per rank) are checked at load and
 reach the Ray pools; on Ray's multi-node test cluster on this machine (a head and two nodes,
 each with its own CPUs and a custom resource), a run attached through RAY_ADDRESS alone puts
-the ranks and the replicas on the nodes their resources name, as placement.json records, and
-a request no node can hold ends at start with one line naming it."""
+the ranks, the replicas and the reward scorers on the nodes their resources name, as
+placement.json records (the scorers reading a relative reward file given on the driver and
+gone by then), and a request no node can hold ends at start with one line naming it."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from sealrl.config import ConfigError, build_config
+from sealrl.experience.store import read_iteration
 from sealrl.models import precision
 from sealrl.trainer import setup
 
@@ -55,21 +57,35 @@ def test_roles_land_on_the_nodes_their_resources_name(tmp_path, monkeypatch, cap
     ray = pytest.importorskip("ray", reason="placement=ray needs ray: pip install 'sealrl[ray]'")
     from ray.cluster_utils import Cluster
 
+    from sealrl.placement import remote_reward
     from sealrl.placement.workers import PlacementError
     from sealrl.trainer.driver import train
+    # the reward role goes with the ranks (rank_resources) and its scorers read a relative reward
+    # file given on the driver, which is gone by the time the reward actor starts
+    (tmp_path / "my_reward.py").write_text("def score(response, ground_truth):\n"
+                                           "    return float(response.strip() == str(ground_truth))\n")
+    monkeypatch.chdir(tmp_path)
+    built = remote_reward.ray_reward
+
+    def without_the_file(*a, **k):
+        (tmp_path / "my_reward.py").unlink(missing_ok=True)
+        return built(*a, **k)
+
+    monkeypatch.setattr(remote_reward, "ray_reward", without_the_file)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     try:
-        cluster.add_node(num_cpus=2, resources={"rank_node": 2})
+        cluster.add_node(num_cpus=3, resources={"rank_node": 3})
         cluster.add_node(num_cpus=2, resources={"rollout_node": 2})
         monkeypatch.setenv("RAY_ADDRESS", cluster.address)   # as Ray Jobs and KubeRay attach
         args = [*RAY, "placement.num_cpus=2", "run.iterations=1", "data.num_train=32", "eval.num=4",
                 "data.prompts_per_iter=2", "rollout.n=4", "rollout.max_new_tokens=4", "run.checkpoint_every=0",
                 f"run.output_dir={tmp_path}", "placement.actor_ranks=2", "placement.dp_strategy=allreduce",
                 "placement.rank_resources=rank_node=1", "placement.rollout_replicas=2",
-                "placement.replica_resources=rollout_node=1", "placement.timeout_s=120"]
+                "placement.replica_resources=rollout_node=1", "placement.timeout_s=120",
+                "placement.scorers=ray", "reward.num_scorers=1", "reward.fn=my_reward.py:score"]
         # three replicas' worth of rollout_node: no node has it, so no wait, one line naming it
         with pytest.raises(PlacementError, match=r"'rollout' \(rollout\): 3 x \{'CPU': 1.0, 'rollout_node': 1.0\}"
-                                                 r".* cannot be placed; the cluster has CPU 5 in all, .* "
+                                                 r".* cannot be placed; the cluster has CPU 6 in all, .* "
                                                  r"rollout_node 2 in all"):
             train(build_config(None, [*args, "run.name=toomany", "placement.rollout_replicas=3"]))
         train(build_config(None, [*args, "run.name=placed"]))
@@ -80,7 +96,11 @@ def test_roles_land_on_the_nodes_their_resources_name(tmp_path, monkeypatch, cap
         record = json.loads((tmp_path / "placed" / "placement.json").read_text())
         where = {(w["role"], w["worker"]): w["node_id"] for w in record["workers"]}
         assert where == {("actor", 0): node_of["rank_node"], ("actor", 1): node_of["rank_node"],
-                         ("rollout", 0): node_of["rollout_node"], ("rollout", 1): node_of["rollout_node"]}
+                         ("rollout", 0): node_of["rollout_node"], ("rollout", 1): node_of["rollout_node"],
+                         ("reward", 0): node_of["rank_node"]}
+        assert not (tmp_path / "my_reward.py").exists()
+        records = read_iteration(tmp_path / "placed" / "experience" / "iter_000000.parquet").get("reward_records")
+        assert {r.status.value for r in records} == {"ok"}   # scored there from the file's text
         assert record["driver"]["node_id"] not in (node_of["rank_node"], node_of["rollout_node"])
     finally:
         ray.shutdown()
