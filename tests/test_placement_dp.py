@@ -22,7 +22,7 @@ from sealrl.experience import (
     split_ids,
 )
 from sealrl.models.tiny import build_tiny_model
-from sealrl.roles.distributed import all_reduce_grads, all_reduce_sums, own_rows, rank_seed, shard_batch
+from sealrl.roles.distributed import all_reduce_grads, all_reduce_sums, own_rows, rank_seed, shard_batch, world
 from tests.helpers_dist import launch
 
 V0 = PolicyVersion("run", 0, 0, "w0", "tok", "cfg")
@@ -173,7 +173,9 @@ def role_sequence(strategy: str, distributed: bool) -> dict:
     out["w1"], out["w1_hash"] = published(actor)
     model_state, optim_state = full_state(actor.worker.model.state_dict()), full_optimizer_state(actor.worker.optimizer)
     resumed = ready(ActorRank(make_actor, 0, strategy))
-    resumed.load_state(model_state, optim_state, {"step": actor.worker.step})
+    first = world()[0] == 0   # only rank 0 reads the state (sent in lists, as the driver sends it); the
+    resumed.load_state([model_state if first else None], [optim_state if first else None],   # others receive
+                       {"step": actor.worker.step})                                          # it from rank 0
     out["m2"] = resumed.update(batch, V0, 1, seed=2, kl_coef=0.0)
     (out["w2"], _), out["state"] = published(resumed), resumed.state()
     with warnings.catch_warnings(record=True) as caught:   # FSDP2 must hook the critic's outputs

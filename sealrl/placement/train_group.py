@@ -24,9 +24,10 @@ The driver keeps a local copy of the role (`local`), built from the same argumen
 the ranks' full state for checkpoints and `save_causal_lm`. It is pulled only when read
 (`model`, `optimizer`), weights apart from optimizer state; a checkpoint reads the weights from it
 and streams the optimizer state from the ranks a bucket at a time (`optimizer_checkpoint`), so
-Adam's moments are never whole in the driver. It is pushed to every rank when a
+Adam's moments are never whole in the driver. It is pushed to the ranks when a
 checkpoint is restored into it: position.restore_position loads `model` and `optimizer`, then
-calls `set_counters`, which is the push. `publish()` has rank 0 build the manifest and put what
+calls `set_counters`, which is the push (rank 0 reads it from the object store and broadcasts
+it a tensor at a time: roles/distributed.load_from_rank0). `publish()` has rank 0 build the manifest and put what
 the rollout loads into Ray's object store itself (sync/remote.py): the driver gets the reference,
 the manifest and every other rank's weights hash, which must equal rank 0's
 (ReplicaMismatchError names the rank); the weights go rank 0 -> object store -> replicas, not
@@ -59,6 +60,7 @@ from sealrl.roles.distributed import (
     full_state,
     idle_passes,
     is_sharded,
+    load_from_rank0,
     load_full_optimizer_state,
     load_full_state,
     rank_seed,
@@ -68,7 +70,7 @@ from sealrl.roles.distributed import (
 )
 from sealrl.sync.adapter import copy_once, rollout_copy, sync_bytes
 from sealrl.sync.manifest import WeightManifest, entries_digest, tensor_entry
-from sealrl.sync.remote import RemoteState, received, stored
+from sealrl.sync.remote import RemoteState, received, stored, unlisted
 
 COLLECTIVES = "_collectives_s"   # a rank's seconds in explicit collectives, beside its update's metrics
 CHECKPOINT_BUCKET_BYTES = 64 << 20   # optimizer state per call when a checkpoint gathers it from the ranks
@@ -153,10 +155,17 @@ class TrainRank:
         out = full_state({k: tensors[k] for k in keys})
         return out if world()[0] == 0 else None
 
-    def load_state(self, model_state: dict, optim_state: dict, counters: dict[str, int]) -> None:
-        """Full model and optimizer state (the mirror's), cut into this rank's shards if sharded."""
-        load_full_state(self.worker.model, model_state)
-        load_full_optimizer_state(self.worker.optimizer, optim_state)
+    def load_state(self, model_state: list, optim_state: list, counters: dict[str, int]) -> None:
+        """Full model and optimizer state (the mirror's, each as [a reference in Ray's object
+        store], or [itself] outside Ray), cut into this rank's shards if sharded. With several
+        ranks only rank 0 reads them, and broadcasts them a tensor at a time (load_from_rank0)."""
+        rank, size = world()
+        if size == 1:
+            load_full_state(self.worker.model, unlisted(model_state))
+            load_full_optimizer_state(self.worker.optimizer, unlisted(optim_state))
+        else:
+            read = unlisted if rank == 0 else (lambda x: None)
+            load_from_rank0(self.worker.model, self.worker.optimizer, read(model_state), read(optim_state))
         self.set_counters(counters)
 
     def set_counters(self, counters: dict[str, int]) -> None:
@@ -301,7 +310,8 @@ class Replicas:
     def push(self, counters: dict[str, int]) -> None:
         """The mirror's weights, optimizer state and counters onto every rank (resume)."""
         model_state, optim_state = self.model().state_dict(), self.optimizer().state_dict()
-        self.call("load_state", self.group.put(model_state), self.group.put(optim_state), counters)
+        # each in a list: Ray hands a listed reference over unresolved, so only rank 0 reads it
+        self.call("load_state", [self.group.put(model_state)], [self.group.put(optim_state)], counters)
 
     def check_weights(self, role: str, hashes: list[str], want: str) -> None:
         bad = [r for r, h in enumerate(hashes, start=1) if h != want]

@@ -291,6 +291,59 @@ def load_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> N
     model.load_state_dict({name: _shard_like(t, own.get(name)) for name, t in state.items()}, strict=True)
 
 
+def load_from_rank0(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict | None,
+                    optim_state: dict | None) -> None:
+    """load_full_state and load_full_optimizer_state when only rank 0 holds the full state (the
+    others pass None): rank 0 broadcasts its layout, then each tensor, one at a time, and every
+    rank keeps its own cut (a copy, so the full tensor is freed before the next): no rank but 0
+    ever holds the whole state. Every rank calls it."""
+    layout: list = [None]
+    if dist.get_rank() == 0:
+        layout = [(_layout(model_state), {"param_groups": optim_state["param_groups"],
+                                          "state": {i: _layout(s) for i, s in optim_state["state"].items()}})]
+    dist.broadcast_object_list(layout, src=0)
+    model_layout, optim_layout = layout[0]
+    own = model.state_dict()
+    if set(model_layout) != set(own):
+        raise KeyError(f"the state does not match the model: {sorted(set(model_layout) ^ set(own))[:3]}")
+    with torch.no_grad():
+        for name, spec in model_layout.items():
+            own[name].copy_(_shard_like(_broadcast(model_state and model_state[name], spec), own[name]))
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state: dict = {}
+    for i, entry in optim_layout["state"].items():
+        state[i] = {}
+        for k, spec in entry.items():
+            if spec[0] == "value":
+                state[i][k] = spec[1]
+                continue
+            full = _broadcast(optim_state and optim_state["state"][i][k], spec)
+            state[i][k] = _own_copy(_shard_like(full, params[int(i)])) if full.dim() else full
+    optimizer.load_state_dict({"param_groups": optim_layout["param_groups"], "state": state})
+
+
+def _layout(state: dict) -> dict:
+    return {k: ("tensor", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("value", v)
+            for k, v in state.items()}
+
+
+def _broadcast(t: torch.Tensor | None, spec: tuple) -> torch.Tensor:
+    """Rank 0's tensor `t` on every rank (the others pass None and get a buffer of `spec`)."""
+    _, shape, dtype = spec
+    buf = t.detach().contiguous().to(_device()) if t is not None else torch.empty(shape, dtype=dtype, device=_device())
+    dist.broadcast(buf, src=0)
+    return buf
+
+
+def _own_copy(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor whose local shard owns its storage (a cut of a full tensor is a view of it)."""
+    if not _is_dtensor(t):
+        return t.clone()
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(t.to_local().clone(), t.device_mesh, t.placements, run_check=False,
+                              shape=t.shape, stride=t.stride())
+
+
 def load_full_optimizer_state(optimizer: torch.optim.Optimizer, sd: dict) -> None:
     """Load a full optimizer state dict (full_optimizer_state's form); the moments of a sharded
     parameter are cut like it. State key i is the i-th parameter over the param groups."""

@@ -41,6 +41,17 @@ def stored(value) -> Any:
     return [ray.put(value)]
 
 
+def unlisted(value: list):
+    """What a caller sent as [value] so that Ray would not resolve it: a reference read from the
+    object store here, anything else as it is."""
+    item = value[0]
+    try:
+        import ray
+    except ImportError:
+        return item
+    return ray.get(item) if isinstance(item, ray.ObjectRef) else item
+
+
 def received(value, nbytes: int):
     """What `stored` returned, on the caller's side: a RemoteState, or the value itself."""
     return RemoteState(value[0], nbytes) if isinstance(value, list) else value
