@@ -106,14 +106,11 @@ class TrainRank:
         sharded parameters (it held the replaced ones), or, from a template, the shards filled
         and the worker made over them."""
         rank, size = world()
-        if self._deferred is not None:
+        if self._deferred is not None:   # sharded and filled here; the worker's optimizer is made over the shards
             make_worker, template, weights = self._deferred
             fsdp2_shard(template, decoder_layers(template), self.forward_methods)
             fill_from_rank0(template, weights[0] if rank == 0 else None)
             self.worker, self._deferred = make_worker(template), None
-            torch.manual_seed(rank_seed(self.run_seed, rank))
-            torch.use_deterministic_algorithms(True, warn_only=True)
-            return rank
         torch.manual_seed(rank_seed(self.run_seed, rank))
         torch.use_deterministic_algorithms(True, warn_only=True)
         if self.dp_strategy == "fsdp2" and size > 1 and not fsdp2_available():
@@ -121,7 +118,7 @@ class TrainRank:
             logging.getLogger(__name__).warning("FSDP2 is not available in this torch: placement.dp_strategy="
                                                 "allreduce is used instead")
             self.dp_strategy = "allreduce"
-        if self.dp_strategy == "fsdp2" and size > 1:
+        if self.dp_strategy == "fsdp2" and size > 1 and not self.sharded():
             model = self.worker.model
             fsdp2_shard(model, decoder_layers(model), self.forward_methods)
             self.worker.optimizer = self.worker.make_optimizer()

@@ -251,20 +251,26 @@ def full_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def fill_from_rank0(model: torch.nn.Module, full_state_ref) -> None:
     """A model built on the meta device (its non-persistent buffers real, e.g. RoPE frequencies:
     rollout/backends.weightless_template), sharded, then filled: rank 0 reads the full state from
-    Ray's object store (`full_state_ref`; None on the others) and torch broadcasts to each rank
-    only its shards (set_model_state_dict, broadcast_from_rank0). Every rank calls it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    Ray's object store (`full_state_ref`; None on the others) and broadcasts it (_model_from_rank0).
+    Every rank calls it."""
     device = _device()
     kept = [(m, name, b) for m in model.modules() for name, b in m._buffers.items()
             if b is not None and name in m._non_persistent_buffers_set]
     model.to_empty(device=device)   # storage for every parameter and buffer, values unset
     for m, name, b in kept:   # to_empty replaced these too: their values are not in any state dict
         m._buffers[name] = b.to(device)
-    full = {}
+    full = None
     if full_state_ref is not None:
         import ray
         full = ray.get(full_state_ref)
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    _model_from_rank0(model, full)
+
+
+def _model_from_rank0(model: torch.nn.Module, full: dict | None) -> None:
+    """Rank 0's full model state (None on the others) into every rank's model, plain or sharded:
+    torch broadcasts it and each rank keeps its own cut (set_model_state_dict, broadcast_from_rank0)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    set_model_state_dict(model, full or {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
 def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
@@ -294,21 +300,17 @@ def load_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> N
 def load_from_rank0(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict | None,
                     optim_state: dict | None) -> None:
     """load_full_state and load_full_optimizer_state when only rank 0 holds the full state (the
-    others pass None): rank 0 broadcasts its layout, then each tensor, one at a time, and every
-    rank keeps its own cut (a copy, so the full tensor is freed before the next): no rank but 0
-    ever holds the whole state. Every rank calls it."""
+    others pass None): the model as _model_from_rank0 fills it; the optimizer's layout broadcast
+    from rank 0, then each of its tensors, one at a time, every rank keeping its own cut (a copy,
+    so the full tensor is freed before the next). No rank but 0 ever holds the whole state.
+    Every rank calls it."""
+    _model_from_rank0(model, model_state)
     layout: list = [None]
     if dist.get_rank() == 0:
-        layout = [(_layout(model_state), {"param_groups": optim_state["param_groups"],
-                                          "state": {i: _layout(s) for i, s in optim_state["state"].items()}})]
+        layout = [{"param_groups": optim_state["param_groups"],
+                   "state": {i: _layout(s) for i, s in optim_state["state"].items()}}]
     dist.broadcast_object_list(layout, src=0)
-    model_layout, optim_layout = layout[0]
-    own = model.state_dict()
-    if set(model_layout) != set(own):
-        raise KeyError(f"the state does not match the model: {sorted(set(model_layout) ^ set(own))[:3]}")
-    with torch.no_grad():
-        for name, spec in model_layout.items():
-            own[name].copy_(_shard_like(_broadcast(model_state and model_state[name], spec), own[name]))
+    optim_layout = layout[0]
     params = [p for group in optimizer.param_groups for p in group["params"]]
     state: dict = {}
     for i, entry in optim_layout["state"].items():
