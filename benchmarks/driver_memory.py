@@ -5,7 +5,8 @@ process (`local`), and `ray` with 2 data-parallel actor ranks (FSDP2) and 2 roll
 For each: the driver's peak resident set over the iterations (the largest
 `memory/role_*_peak_rss_gb` of any iteration: Linux VmHWM, this process only; ranks and replicas
 are other processes) and over the whole run (`_with_end`: VmHWM when train() returns, the
-checkpoint at the end included, which gathers the ranks' weights and Adam state into the driver),
+checkpoint and the final model folder included, which stream the ranks' weights and Adam state
+through the driver a 64 MiB bucket at a time),
 the weight bytes one sync moves (`sync/bytes`), how many of them the driver held
 (`sync/driver_bytes`) and its time (`time/weight_sync_s`), and the size of
 the actor's fp32 weights and of weights plus Adam's two moments, which is what the driver would

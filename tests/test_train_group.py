@@ -63,8 +63,8 @@ def local_ppo(tmp_path_factory):
 
 
 def assert_same_weights(a, b, part, step, tol=1e-6):
-    wa = load_file(str(a / "checkpoints" / f"step_{step}" / f"{part}.safetensors"))
-    wb = load_file(str(b / "checkpoints" / f"step_{step}" / f"{part}.safetensors"))
+    """The weights parts of two checkpoints (one file, or streamed from ranks in shards)."""
+    (wa,), (wb,) = (load_checkpoint(r / "checkpoints" / f"step_{step}", [part])[0].values() for r in (a, b))
     assert wa.keys() == wb.keys()
     diffs = {n: float((wa[n] - wb[n]).abs().max()) for n in wa}
     assert max(diffs.values()) <= tol, sorted(diffs.items(), key=lambda kv: -kv[1])[:3]
@@ -126,9 +126,13 @@ def test_join_rows_places_each_rank_s_rows_by_sample_id():
         join_rows(batch, parts[:1])
 
 
-def test_actor_group_of_one_in_process_rank_is_the_plain_actor():
+def test_actor_group_of_one_in_process_rank_is_the_plain_actor(tmp_path, monkeypatch):
     """The facade's plumbing without Ray: update, pull to the mirror, export, rollback, and the
-    push a checkpoint restore makes, against a plain Actor (bitwise: one rank)."""
+    push a checkpoint restore makes, against a plain Actor (bitwise: one rank). Between reads the
+    driver's mirror holds no weights (meta device, no optimizer); the weights and the Hugging
+    Face folder stream from the ranks a bucket at a time."""
+    from sealrl.models.hf import load_causal_lm
+    from sealrl.models.tiny import build_char_tokenizer
     cfg = build_config(None, ["actor.micro_batch_size=3", "actor.lr=1e-3"])
     model = make_model()
 
@@ -139,7 +143,16 @@ def test_actor_group_of_one_in_process_rank_is_the_plain_actor():
     group = ActorGroup(LocalWorkerGroup("actor", [ActorRank(make, 0)]), make())
     want = plain.update(make_batch(), V0, 0, seed=1, kl_coef=0.0)
     assert group.update(make_batch(), V0, 0, seed=1, kl_coef=0.0) == want and group.step == plain.step == 1
+    assert all(p.is_meta for p in group.local.model.parameters()) and group.local.optimizer is None
     weights = lambda m: {k: v.clone() for k, v in m.state_dict().items()}  # noqa: E731
+    monkeypatch.setattr(train_group, "CHECKPOINT_BUCKET_BYTES", 1 << 10)   # a tensor or two per bucket
+    chunks, meta = group.streamed("model")
+    streamed = {k: v for chunk in chunks for k, v in chunk.items()}
+    assert meta is None and max_diff(streamed, weights(plain.model)) == 0.0
+    group.save_pretrained(build_char_tokenizer(), tmp_path / "hf")
+    assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 3
+    loaded, _ = load_causal_lm(tmp_path / "hf")
+    assert max_diff(weights(loaded), weights(plain.model)) == 0.0 and group.local.model.parameters().__next__().is_meta
     assert max_diff(weights(group.model), weights(plain.model)) == 0.0            # pulled from rank 0
     assert group.optimizer.state_dict()["state"].keys() == plain.optimizer.state_dict()["state"].keys()
     state, manifest = group.publish("fp32", None)      # outside Ray: rank 0's tensors themselves
@@ -154,6 +167,8 @@ def test_actor_group_of_one_in_process_rank_is_the_plain_actor():
     group.set_counters(step=0)                                                      # ... then its counters
     rank = group.replicas.group.workers[0].worker
     assert rank.step == 0 and max_diff(weights(rank.model), weights(make_model())) == 0.0
+    group.update(make_batch(), V0, 0, seed=1, kl_coef=0.0)
+    assert all(p.is_meta for p in group.local.model.parameters())                    # emptied again
 
 
 @pytest.mark.slow
@@ -174,6 +189,11 @@ def test_a_token_budget_on_two_fsdp2_ranks_gives_the_one_process_update(tmp_path
     passes = [len(partition_by_tokens([length[i] for i in part], 15)) for part in split_ids(batch.sample_ids, 2)]
     assert passes[0] != passes[1], passes   # the idle passes ran
     assert_same_weights(local, dp, "actor_model", 2)
+    # the final Hugging Face folder, streamed from the FSDP2 ranks in shards, loads as the local one
+    from sealrl.models.hf import load_causal_lm
+    (ma, _), (mb, _) = load_causal_lm(local / "model"), load_causal_lm(dp / "model")
+    assert (dp / "model" / "model.safetensors.index.json").is_file()
+    assert max_diff(ma.state_dict(), mb.state_dict()) <= 1e-6
     w1 = load_file(str(local / "checkpoints" / "step_1" / "actor_model.safetensors"))
     w2 = load_file(str(local / "checkpoints" / "step_2" / "actor_model.safetensors"))
     assert max(float((w1[n] - w2[n]).abs().max()) for n in w1) > 1e-5   # an update that moved the weights

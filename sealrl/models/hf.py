@@ -14,9 +14,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
@@ -91,6 +93,48 @@ def save_causal_lm(model: PreTrainedModel, tokenizer, path: str | Path) -> Path:
     if not any(folder.glob("*.safetensors")):
         raise RuntimeError(f"save_causal_lm: no safetensors file written to {folder}")
     return folder
+
+
+@quiet
+def save_causal_lm_shards(model: PreTrainedModel, shards: Iterable[dict[str, torch.Tensor]], tokenizer,
+                          path: str | Path) -> Path:
+    """save_causal_lm for a model whose weights are not in this process (a data-parallel group's
+    mirror, on the meta device): the config, generation config and tokenizer from `model` and
+    `tokenizer`, the weights from `shards` ({name: tensor} each, full tensors, one shard in memory
+    at a time), written as they come as model-00001.safetensors, ... with the index
+    (`model.safetensors.index.json`) that transformers and vLLM read. Tied aliases are left out,
+    as save_pretrained leaves them out."""
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    aliases = tied_aliases(model)
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards, start=1):
+        kept = {k: v.detach().cpu().contiguous() for k, v in shard.items() if k not in aliases}
+        name = f"model-{i:05d}.safetensors"
+        save_file(kept, str(folder / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(kept, name))
+        total += sum(v.numel() * v.element_size() for v in kept.values())
+    if not weight_map:
+        raise RuntimeError(f"save_causal_lm_shards: no weights came for {folder}")
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    model.config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def tied_aliases(model: torch.nn.Module) -> set[str]:
+    """State-dict names of parameters that are another, earlier named parameter (a tied output
+    head: `lm_head.weight` when it is the input embedding)."""
+    seen: set[int] = set()
+    aliases = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            aliases.add(name)
+        seen.add(id(p))
+    return aliases
 
 
 def _sha256_json(obj: object) -> str:

@@ -20,18 +20,21 @@ sums the gradients in one flat all-reduce. Without FSDP2 in this torch, `fsdp2` 
 Forward-only work is split, not repeated: old log-probs (recompute mode) and critic values are
 computed on each rank's shard of sorted ids and joined by sample id on the driver.
 
-The driver keeps a local copy of the role (`local`), built from the same arguments: it mirrors
-the ranks' full state for checkpoints and `save_causal_lm`. It is pulled only when read
-(`model`, `optimizer`), weights apart from optimizer state; a checkpoint reads the weights from it
-and streams the optimizer state from the ranks a bucket at a time (`optimizer_checkpoint`), so
-Adam's moments are never whole in the driver. It is pushed to the ranks when a
-checkpoint is restored into it: position.restore_position loads `model` and `optimizer`, then
-calls `set_counters`, which is the push (rank 0 reads it from the object store and broadcasts
-it a tensor at a time: roles/distributed.load_from_rank0). `publish()` has rank 0 build the manifest and put what
-the rollout loads into Ray's object store itself (sync/remote.py): the driver gets the reference,
-the manifest and every other rank's weights hash, which must equal rank 0's
-(ReplicaMismatchError names the rank); the weights go rank 0 -> object store -> replicas, not
-through the driver (with LoRA what ships is the adapter: Actor.exported_tensors).
+The driver keeps a local copy of the role (`local`), built from the same arguments, as the
+ranks' mirror; without LoRA it holds no weights: its model is the role's structure on the meta
+device, with no optimizer (Replicas). Checkpoints and the run's final Hugging Face folder stream
+the ranks' weights and optimizer state a bucket at a time (`streamed`, `save_pretrained`), so
+neither is ever whole in the driver. Reading `model` or `optimizer` (a resume, the
+optimal-token baseline) fills the mirror from the ranks until the next update or rollback. A
+restore pushes the mirror to the ranks: position.restore_position loads `model` and `optimizer`,
+then calls `set_counters`, which is the push (rank 0 reads it from the object store and
+broadcasts it a tensor at a time: roles/distributed.load_from_rank0).
+
+`publish()` has rank 0 build the manifest and put what the rollout loads into Ray's object store
+itself (sync/remote.py): the driver gets the reference, the manifest and every other rank's
+weights hash, which must equal rank 0's (ReplicaMismatchError names the rank); the weights go rank
+0 -> object store -> replicas, not through the driver (with LoRA what ships is the adapter:
+Actor.exported_tensors).
 Pull, publish and push go to EVERY rank: with fsdp2, gathering full tensors (and cutting them
 back into shards) is a collective; only rank 0 ships what it gathered. FSDP2 also gathers in
 every forward, so the forward-only calls (old log-probs, values) run as many micro-batches on
@@ -42,6 +45,7 @@ model is on CUDA (`actor.device` / `critic.device`), gloo on CPU.
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -49,6 +53,7 @@ import torch
 
 from sealrl.config import StoppedRun
 from sealrl.experience import ExperienceBatch, PolicyVersion, Role
+from sealrl.models.lora import has_lora
 from sealrl.placement.workers import HOSTS, WorkerError, WorkerGroup
 from sealrl.roles.common import batch_log_probs, optimizer_to_flat, pass_counter
 from sealrl.roles.distributed import (
@@ -68,6 +73,7 @@ from sealrl.roles.distributed import (
     take_collective_seconds,
     world,
 )
+from sealrl.rollout.backends import allocate, weightless_template
 from sealrl.sync.adapter import copy_once, rollout_copy, sync_bytes
 from sealrl.sync.manifest import WeightManifest, entries_digest, tensor_entry
 from sealrl.sync.remote import RemoteState, received, stored, unlisted
@@ -136,19 +142,25 @@ class TrainRank:
         optim_state = full_optimizer_state(w.optimizer) if optim else None
         return (model_state, optim_state) if world()[0] == 0 else None
 
-    def optimizer_layout(self) -> tuple[list[tuple[str, int]], dict] | None:
-        """Rank 0: (key, bytes) of every tensor of the full optimizer state in a checkpoint's flat
-        form (roles/common.optimizer_to_flat), and its JSON part; None on the others.
-        Nothing is gathered: a sharded moment's shape is its whole tensor's."""
-        tensors, meta = optimizer_to_flat(self.worker.optimizer)
+    def _flat(self, part: str) -> tuple[dict[str, torch.Tensor], dict | None]:
+        """("model": the state dict; "optim": the optimizer state in a checkpoint's flat form,
+        roles/common.optimizer_to_flat, with its JSON part). Sharded tensors stay sharded."""
+        if part == "model":
+            return self.worker.model.state_dict(), None
+        return optimizer_to_flat(self.worker.optimizer)
+
+    def layout(self, part: str) -> tuple[list[tuple[str, int]], dict | None] | None:
+        """Rank 0: (key, bytes) of every tensor of `part` (_flat) and its JSON part (None for the
+        model); None on the others. Nothing is gathered: a shard's shape is its whole tensor's."""
+        tensors, meta = self._flat(part)
         if world()[0] != 0:
             return None
         return [(k, t.numel() * t.element_size()) for k, t in tensors.items()], meta
 
-    def optimizer_tensors(self, keys: list[str]) -> dict[str, torch.Tensor] | None:
-        """Rank 0: the full tensors of `keys` (optimizer_layout's), on the CPU; None on the others,
-        which take part in gathering them (a collective per sharded tensor, in `keys`' order)."""
-        tensors, _ = optimizer_to_flat(self.worker.optimizer)
+    def tensors(self, part: str, keys: list[str]) -> dict[str, torch.Tensor] | None:
+        """Rank 0: the full tensors of `keys` (layout's) on the CPU; None on the others, which take
+        part in gathering them (a collective per sharded tensor, in `keys`' order)."""
+        tensors, _ = self._flat(part)
         out = full_state({k: tensors[k] for k in keys})
         return out if world()[0] == 0 else None
 
@@ -263,11 +275,19 @@ def rank_lost(e: WorkerError) -> StoppedRun:
 
 
 class Replicas:
-    """Plumbing both facades compose: the rank group and the driver's mirror of rank 0."""
+    """Plumbing both facades compose: the rank group and the driver's mirror of rank 0.
+
+    The mirror holds no weights between reads: its model is the role's structure on the meta
+    device (rollout/backends.weightless_template) and it has no optimizer. Reading `model` or
+    `optimizer` (a resume, the optimal-token baseline, a test) fills it from the ranks; the next
+    update or rollback empties it again. With LoRA the mirror stays whole: its frozen base serves
+    the reference in this process and names the base by hash."""
 
     def __init__(self, group: WorkerGroup, local, timeout_s: float | None = None) -> None:
         self.group, self.local, self.timeout_s = group, local, timeout_s
         self.model_stale = self.optim_stale = False   # the ranks moved on since the last pull
+        self.template = None if has_lora(local.model) else weightless_template(local.model, trainable=True)
+        self.empty()
 
     def call(self, method: str, *args) -> list:
         try:
@@ -282,13 +302,30 @@ class Replicas:
 
     def changed(self) -> None:
         self.model_stale = self.optim_stale = True
+        self.empty()
+
+    def empty(self) -> None:
+        """The mirror back to the meta device: what the ranks hold is not kept here."""
+        if self.template is not None:
+            self.local.model, self.local.optimizer = self.template, None
+            self.model_stale = self.optim_stale = True
+
+    def _filled(self) -> None:
+        """A model with storage (values unset until pulled) and an optimizer over it, for a read."""
+        if self.template is not None and self.local.model is self.template:
+            model = copy.deepcopy(self.template)
+            allocate(model, self.local.device)
+            self.local.model = model
+            self.local.optimizer = self.local.make_optimizer()
 
     def model(self):
+        self._filled()
         if self.model_stale:   # the weights only: the end of a run exports the policy, not Adam's moments
             self.pull(optim=False)
         return self.local.model
 
     def optimizer(self):
+        self._filled()
         if self.optim_stale:
             self.pull(model=self.model_stale)
         return self.local.optimizer
@@ -363,12 +400,13 @@ class _RoleGroup:
             return results[0][0]
         return {**results[0][0], f"perf/{role}_collectives_s": max(seconds)}
 
-    def optimizer_checkpoint(self) -> tuple[Iterator[dict[str, torch.Tensor]], dict]:
-        """The ranks' full optimizer state for a checkpoint, never whole in the driver: its JSON
-        part, and chunks of its tensors, CHECKPOINT_BUCKET_BYTES at a time (at least one chunk),
-        each gathered by every rank and shipped by rank 0 when the checkpoint asks for it
-        (trainer/resume/checkpoint.StreamedPart writes each as it comes)."""
-        layout, meta = self.replicas.call("optimizer_layout")[0]
+    def streamed(self, part: str) -> tuple[Iterator[dict[str, torch.Tensor]], dict | None]:
+        """The ranks' full `part` ("model": weights, "optim": optimizer state) for a checkpoint or
+        an export, never whole in the driver: its JSON part (None for the model), and chunks of
+        its tensors, CHECKPOINT_BUCKET_BYTES at a time (at least one chunk), each gathered by every
+        rank and shipped by rank 0 when the writer asks for it (trainer/resume/checkpoint.StreamedPart
+        and models/hf.save_causal_lm_shards write each as it comes)."""
+        layout, meta = self.replicas.call("layout", part)[0]
         buckets: list[list[str]] = [[]]
         size = 0
         for key, nbytes in layout:
@@ -377,7 +415,17 @@ class _RoleGroup:
                 size = 0
             buckets[-1].append(key)
             size += nbytes
-        return (self.replicas.call("optimizer_tensors", keys)[0] for keys in buckets), meta
+        return (self.replicas.call("tensors", part, keys)[0] for keys in buckets), meta
+
+    @property
+    def structure(self) -> torch.nn.Module:
+        """The model for its config and shapes only, never pulled (on the meta device between reads)."""
+        return self.local.model
+
+    def save_pretrained(self, tokenizer, path) -> None:
+        """The ranks' policy as a Hugging Face folder, streamed (models/hf.save_causal_lm_shards)."""
+        from sealrl.models.hf import save_causal_lm_shards
+        save_causal_lm_shards(self.local.model, self.streamed("model")[0], tokenizer, path)
 
     def snapshot(self) -> dict:
         """Every rank keeps its own (sharded) committed state; the driver keeps the counters."""

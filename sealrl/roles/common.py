@@ -246,3 +246,9 @@ def optimizer_from_flat(optimizer: torch.optim.Optimizer, tensors: dict[str, tor
         state.setdefault(int(idx), {})[name] = value
     groups = [dict(g, betas=tuple(g["betas"])) if "betas" in g else g for g in meta["param_groups"]]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def structure(role):
+    """A role's model for its config and shapes only: a data-parallel group's mirror as it stands
+    (on the meta device; its `model` would pull the ranks' full weights into the driver)."""
+    return role.structure if hasattr(role, "structure") else role.model

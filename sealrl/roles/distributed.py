@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from sealrl.experience import ExperienceBatch, split_ids
+from sealrl.rollout.backends import allocate
 from sealrl.sync.adapter import copy_once
 
 _collective_s = [0.0]   # wall seconds in the collectives below since the last take (this process)
@@ -253,12 +254,7 @@ def fill_from_rank0(model: torch.nn.Module, full_state_ref) -> None:
     rollout/backends.weightless_template), sharded, then filled: rank 0 reads the full state from
     Ray's object store (`full_state_ref`; None on the others) and broadcasts it (_model_from_rank0).
     Every rank calls it."""
-    device = _device()
-    kept = [(m, name, b) for m in model.modules() for name, b in m._buffers.items()
-            if b is not None and name in m._non_persistent_buffers_set]
-    model.to_empty(device=device)   # storage for every parameter and buffer, values unset
-    for m, name, b in kept:   # to_empty replaced these too: their values are not in any state dict
-        m._buffers[name] = b.to(device)
+    allocate(model, _device())
     full = None
     if full_state_ref is not None:
         import ray

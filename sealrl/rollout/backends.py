@@ -44,6 +44,17 @@ def weightless_template(model: PreTrainedModel, trainable: bool = False) -> PreT
     return copied if trainable else copied.eval()
 
 
+def allocate(template: torch.nn.Module, device: torch.device | str) -> None:
+    """Storage on `device` for every parameter and persistent buffer of a weightless_template
+    copy, in place, values unset (to be loaded). Its non-persistent buffers (e.g. RoPE
+    frequencies, which no state dict holds) keep their values: to_empty would replace them too."""
+    kept = [(m, name, b) for m in template.modules() for name, b in m._buffers.items()
+            if b is not None and name in m._non_persistent_buffers_set]
+    template.to_empty(device=device)
+    for m, name, b in kept:
+        m._buffers[name] = b.to(device)
+
+
 class LeanBackend:
     """Static-cache prefill/decode on plain tensors (see lean.py)."""
 

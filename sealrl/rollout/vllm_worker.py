@@ -31,6 +31,8 @@ checksums come out (vLLM's RPC serialises neither functions nor tensors without 
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from safetensors.torch import load_file
 
@@ -41,6 +43,7 @@ class SealrlWorkerExtension:
     """Methods added to vLLM's Worker (self is the worker)."""
 
     def sealrl_load(self, path: str) -> None:
+        quiet_rotary_reload()
         weights = load_file(path)
         self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
 
@@ -72,6 +75,22 @@ class SealrlWorkerExtension:
                         e = tensor_entry(t.to(dtype) if t.is_floating_point() else t)
                         out[name] = [list(e.shape), e.dtype, e.sha256]
         return out
+
+
+class _RotaryIsNotAWeight(logging.Filter):
+    """vLLM's layerwise reload warns "RotaryEmbedding: Failed to load weights" for every rotary
+    layer at every reload: its cos/sin cache counts as a tensor to load, yet no checkpoint holds
+    it (it is computed, and vLLM puts the existing one back). What the model holds after a load
+    is checked tensor by tensor anyway (sealrl_held_entries), so only that one line is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "RotaryEmbedding: Failed to load weights"
+
+
+def quiet_rotary_reload() -> None:
+    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _RotaryIsNotAWeight) for f in log.filters):
+        log.addFilter(_RotaryIsNotAWeight())
 
 
 def _held(mod, p_name: str, param: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,6 @@ import time
 import torch
 
 from sealrl.config import Config, StoppedRun
-from sealrl.models.lora import save_policy
 from sealrl.obs.metrics import MetricsLogger
 from sealrl.obs.progress import Progress
 from sealrl.obs.timeline import critical_shares
@@ -30,7 +29,13 @@ from sealrl.trainer.pipeline import admit, pipeline, staleness_metrics
 from sealrl.trainer.prepare import build_batch, prepare, seal
 from sealrl.trainer.quarantine import quarantine_dropped
 from sealrl.trainer.record import record
-from sealrl.trainer.resume.position import forget_after, forget_sealed_after, restore_position, save_position
+from sealrl.trainer.resume.position import (
+    forget_after,
+    forget_sealed_after,
+    restore_position,
+    save_final_policy,
+    save_position,
+)
 from sealrl.trainer.resume.retained import recall
 from sealrl.trainer.setup import Run
 from sealrl.trainer.state import Phase, committed_id
@@ -103,7 +108,7 @@ def _train(run: Run, schedule: dict[int, int] | None = None) -> dict:
     # A requested stop ends at its checkpoint: no final evaluation, which can take minutes.
     after = {} if stop.requested else held_out(run, version, eval_kw)
     if not stop.requested:
-        save_policy(roles.actor.model, roles.tokenizer, run.dir)   # LoRA: merged model/ and adapter/
+        save_final_policy(roles, run.dir)
     summary = {"accuracy_before": before.get("eval/accuracy"), "accuracy_after": after.get("eval/accuracy"),
                "wall_s": round(wall, 2), "iterations": done, "algorithm": cfg.algorithm.name,
                "eval_before": before, "eval_after": after, "policy_version": version.id,

@@ -10,6 +10,7 @@ import torch
 from sealrl import algos
 from sealrl.experience import ExperienceBatch, RewardStatus, Role
 from sealrl.obs.timeline import stage_shares
+from sealrl.roles.common import structure
 
 
 def is_wall_clock(key: str) -> bool:
@@ -173,10 +174,9 @@ def perf_metrics(run, batch: ExperienceBatch, stage_seconds: dict[str, float], r
     too, actor/first_step_in_old_pass, whose 6 x then count in the old log-prob pass)."""
     from sealrl.obs.flops import matmul_weights, pass_metrics
     cfg, roles = run.cfg, run.roles
-    model = _shapes(roles.actor)
-    device = str(next(model.parameters()).device)
-    actor_w = matmul_weights(model)
-    critic_w = matmul_weights(_shapes(roles.critic)) if roles.critic is not None else 0
+    device = str(getattr(roles.actor, "local", roles.actor).device)
+    actor_w = matmul_weights(structure(roles.actor))
+    critic_w = matmul_weights(structure(roles.critic)) if roles.critic is not None else 0
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch.samples)
     prompts = {s.group_id: len(s.prompt_ids) for s in batch.samples}
     generated = sum(prompts.values()) + sum(len(s.response_ids) for s in batch.samples)
@@ -191,9 +191,3 @@ def perf_metrics(run, batch: ExperienceBatch, stage_seconds: dict[str, float], r
         if name in stage_seconds:
             out.update(pass_metrics(name, f, stage_seconds[name], device))
     return out
-
-
-def _shapes(role):
-    """A role's model for its shapes and device only: a data-parallel group's mirror as it stands
-    (its `model` would pull the ranks' full weights and Adam state to the driver, every iteration)."""
-    return getattr(role, "local", role).model

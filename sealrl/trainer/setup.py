@@ -342,7 +342,8 @@ def shared_pool(cfg: Config, closers: list):
 def data_parallel_role(cfg: Config, role: str, make_worker, local, closers: list, pool=None):
     """placement.<role>_ranks > 1: the actor or critic as that many data-parallel Ray actors
     in one process group, behind a facade with the worker's interface (placement/train_group.py).
-    `local`, built from the same factory, stays here as the mirror of the ranks for checkpoints.
+    `local`, built from the same factory, stays here as the mirror of the ranks, its weights on the
+    meta device until read.
     `placement.dp_strategy`: fsdp2 shards each rank's model (FSDP2), allreduce replicates it."""
     from sealrl.placement import train_group, train_ray
     train_ray.start_ray(cfg.placement, closers)
@@ -360,7 +361,9 @@ def data_parallel_role(cfg: Config, role: str, make_worker, local, closers: list
               "resources": ray_resources(p.rank_resources, "placement.rank_resources")}
     group = train_ray.ray_train_group(role, factory, getattr(p, f"{role}_ranks"), local.model,
                                         p.timeout_s, closers, pool if role == "actor" else None, bundle)
-    return facade(group, local, cfg.placement.timeout_s)
+    if deferred is not None:   # rank 0 has read it: the object store's copy goes (a lost rank stops the run)
+        weights.clear()
+    return facade(group, local, cfg.placement.timeout_s)   # its mirror keeps no weights (train_group.Replicas)
 
 
 def rollout_pool_spec(p):

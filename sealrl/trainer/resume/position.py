@@ -17,9 +17,9 @@ from sealrl import faults
 from sealrl.config import Config, config_diff, resumable_keys
 from sealrl.experience.store import read_consumed, read_iteration
 from sealrl.models.hf import model_config_hash, tokenizer_hash
-from sealrl.models.lora import checkpoint_exports, load_trainable_state, trainable_state
+from sealrl.models.lora import checkpoint_exports, has_lora, load_trainable_state, save_policy, trainable_state
 from sealrl.rewards.base import reward_identity
-from sealrl.roles.common import optimizer_from_flat, optimizer_to_flat
+from sealrl.roles.common import optimizer_from_flat, optimizer_to_flat, structure
 from sealrl.trainer.adapters import base_hash
 from sealrl.trainer.resume.checkpoint import (
     CheckpointError,
@@ -45,16 +45,15 @@ def save_position(run_dir: Path, iteration: int, cfg: Config, roles, sampler, kl
     """`retained`: Pipeline.retained(iteration), the lane's versions older than the actor's."""
     actor = roles.actor
     lane_parts, lane = lane_position(retained or {}, actor)
-    optim_t, optim_meta = optimizer_part(actor)
-    # with LoRA the adapter only (trainable_state); the frozen base once, by its hash
-    tensors = {"actor_model": dict(trainable_state(actor.model)), "actor_optim": optim_t, "rng": rng_to_flat()}
+    optim_t, optim_meta = streamed_part(actor, "optim")
+    tensors = {"actor_model": streamed_part(actor, "model")[0], "actor_optim": optim_t, "rng": rng_to_flat()}
     state = {
         "iteration": iteration, "actor_step": actor.step, "actor_attempt": actor.attempt,
         "actor_skipped": actor.skipped_steps, "actor_optim": optim_meta,
         "sampler": sampler.state_dict(), "kl_controller": kl_ctl.state_dict(),
         "config": cfg.to_dict(), "config_hash": cfg.hash(), "data_hash": data_hash,
         "tokenizer_hash": tokenizer_hash(roles.tokenizer),
-        "model_config_hash": model_config_hash(actor.model.config),
+        "model_config_hash": model_config_hash(structure(actor).config),
         "reference_version": roles.reference.version.to_json() if roles.reference else None,
         "reward_fn": reward_identity(roles.reward.fn),
         **_base_hashes(roles),
@@ -66,30 +65,51 @@ def save_position(run_dir: Path, iteration: int, cfg: Config, roles, sampler, kl
     }
     tensors.update(lane_parts)
     if roles.critic is not None:
-        c_t, c_meta = optimizer_part(roles.critic)
-        tensors["critic_model"] = dict(trainable_state(roles.critic.model))
+        c_t, c_meta = streamed_part(roles.critic, "optim")
+        tensors["critic_model"] = streamed_part(roles.critic, "model")[0]
         tensors["critic_optim"] = c_t
         state.update(critic_step=roles.critic.step, critic_skipped=roles.critic.skipped_steps, critic_optim=c_meta)
     # The policy also as a Hugging Face folder (`checkpoints/step_N/model`), loadable by
     # transformers and vLLM as it is (with LoRA: the peft adapter folder, `adapter`, the base
     # never copied); resuming reads actor_model.safetensors.
     sync_logs(run_dir)   # every line this checkpoint covers is durable before it commits
-    folder = save_checkpoint(run_dir / "checkpoints", iteration, tensors, state,
-                             checkpoint_exports(actor.model, roles.tokenizer))
+    folder = save_checkpoint(run_dir / "checkpoints", iteration, tensors, state, exports(actor, roles.tokenizer))
     faults.point("after_checkpoint", iteration)
     prune_checkpoints(run_dir / "checkpoints", cfg.run.keep_checkpoints)
     return folder
 
 
-def optimizer_part(role) -> tuple:
-    """(tensors, JSON) of a role's optimizer state for a checkpoint. A data-parallel group streams
-    it from its ranks (ActorGroup / CriticGroup.optimizer_checkpoint), so the driver never holds
-    the whole of it; a role in this process flattens its own."""
-    streamed = getattr(role, "optimizer_checkpoint", None)
-    if streamed is None:
-        return optimizer_to_flat(role.optimizer)
-    chunks, meta = streamed()
-    return StreamedPart(chunks), meta
+def streamed_part(role, part: str) -> tuple:
+    """(tensors, JSON) of a role's `part` for a checkpoint: "model", its weights (with LoRA the
+    adapter only, trainable_state: the frozen base is named by hash), or "optim", its optimizer
+    state. A data-parallel group without LoRA streams them from its ranks (the groups' `streamed`),
+    so the driver never holds the whole of either; a role in this process flattens its own."""
+    if hasattr(role, "streamed") and (part == "optim" or _streams_weights(role)):
+        chunks, meta = role.streamed(part)
+        return StreamedPart(chunks), meta
+    if part == "model":
+        return dict(trainable_state(role.model)), None
+    return optimizer_to_flat(role.optimizer)
+
+
+def _streams_weights(role) -> bool:
+    """A data-parallel group whose mirror holds no weights (without LoRA: placement/train_group.Replicas)."""
+    return hasattr(role, "streamed") and not has_lora(structure(role))
+
+
+def exports(actor, tokenizer) -> dict:
+    """The checkpoint's Hugging Face folder: a group's written from its ranks, a bucket at a time."""
+    if _streams_weights(actor):
+        return {"model": lambda path: actor.save_pretrained(tokenizer, path)}
+    return checkpoint_exports(actor.model, tokenizer)
+
+
+def save_final_policy(roles, run_dir: Path) -> None:
+    """The run's `model/` folder (with LoRA merged, and `adapter/`); a group's from its ranks."""
+    if _streams_weights(roles.actor):
+        roles.actor.save_pretrained(roles.tokenizer, run_dir / "model")
+    else:
+        save_policy(roles.actor.model, roles.tokenizer, run_dir)
 
 
 def _layout(cfg: Config) -> dict:
@@ -144,7 +164,7 @@ def resume_changes(state: dict, cfg: Config, roles, data_hash: str) -> list[str]
     changes = [line for line in config_diff(state["config"], cfg.to_dict())
                if tuple(line.split(":")[0].split(".", 1)) not in RESUMABLE_KEYS]
     for key, now in (("tokenizer_hash", tokenizer_hash(roles.tokenizer)),
-                     ("model_config_hash", model_config_hash(roles.actor.model.config)),
+                     ("model_config_hash", model_config_hash(structure(roles.actor).config)),
                      ("data_hash", data_hash)):
         if state[key] != now:
             changes.append(f"{key}: {state[key]} -> {now}")
@@ -159,7 +179,8 @@ def resume_changes(state: dict, cfg: Config, roles, data_hash: str) -> list[str]
 
 def _base_hashes(roles) -> dict[str, str]:
     """LoRA: {actor_base_hash, critic_base_hash} of the models with an adapter (empty without)."""
-    models = {"actor_base_hash": roles.actor.model, "critic_base_hash": roles.critic.model if roles.critic else None}
+    models = {"actor_base_hash": structure(roles.actor),
+              "critic_base_hash": structure(roles.critic) if roles.critic else None}
     return {k: h for k, m in models.items() if m is not None and (h := base_hash(m)) is not None}
 
 
