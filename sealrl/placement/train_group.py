@@ -34,11 +34,11 @@ broadcasts it a tensor at a time: roles/distributed.load_from_rank0).
 itself (sync/remote.py): the driver gets the reference, the manifest and every other rank's
 weights hash, which must equal rank 0's (ReplicaMismatchError names the rank); the weights go rank
 0 -> object store -> replicas, not through the driver (with LoRA what ships is the adapter:
-Actor.exported_tensors).
-Pull, publish and push go to EVERY rank: with fsdp2, gathering full tensors (and cutting them
-back into shards) is a collective; only rank 0 ships what it gathered. FSDP2 also gathers in
-every forward, so the forward-only calls (old log-probs, values) run as many micro-batches on
-every rank (`roles.distributed.idle_passes`). Rollback snapshots stay inside each rank (sharded).
+Actor.exported_tensors). Pull, publish and push go to EVERY rank: with fsdp2, gathering full
+tensors (and cutting them back into shards) is a collective; only rank 0 ships what it gathered.
+FSDP2 also gathers in every forward, so the forward-only calls (old log-probs, values) run as many
+micro-batches on every rank (`roles.distributed.idle_passes`). Rollback snapshots stay inside each
+rank (sharded).
 
 Process group: `precision.process_group_backend` of the role's device: nccl when the role's
 model is on CUDA (`actor.device` / `critic.device`), gloo on CPU.
@@ -53,6 +53,7 @@ import torch
 
 from sealrl.config import StoppedRun
 from sealrl.experience import ExperienceBatch, PolicyVersion, Role
+from sealrl.models.hf import save_causal_lm_shards
 from sealrl.models.lora import has_lora
 from sealrl.placement.workers import HOSTS, WorkerError, WorkerGroup
 from sealrl.roles.common import batch_log_probs, optimizer_to_flat, pass_counter
@@ -313,9 +314,8 @@ class Replicas:
     def _filled(self) -> None:
         """A model with storage (values unset until pulled) and an optimizer over it, for a read."""
         if self.template is not None and self.local.model is self.template:
-            model = copy.deepcopy(self.template)
-            allocate(model, self.local.device)
-            self.local.model = model
+            self.local.model = copy.deepcopy(self.template)
+            allocate(self.local.model, self.local.device)
             self.local.optimizer = self.local.make_optimizer()
 
     def model(self):
@@ -424,7 +424,6 @@ class _RoleGroup:
 
     def save_pretrained(self, tokenizer, path) -> None:
         """The ranks' policy as a Hugging Face folder, streamed (models/hf.save_causal_lm_shards)."""
-        from sealrl.models.hf import save_causal_lm_shards
         save_causal_lm_shards(self.local.model, self.streamed("model")[0], tokenizer, path)
 
     def snapshot(self) -> dict:
