@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # as the CLI sets it, so this times what `make demo` runs
+import sealrl.cli  # noqa: F401  (the OpenMP wait the CLI sets, so this times what `make demo` runs)
 
 BAR_S = 300.0
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "arith_grpo.yaml"

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -46,8 +45,10 @@ import tempfile
 import time
 from pathlib import Path
 
-# Idle OpenMP workers must sleep, not spin (see benchmarks/rollout.py); set before torch loads.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Each side under its own defaults, set before torch loads: sealrl's the OpenMP wait its CLI sets
+# (sealrl/cli.py), TRL's GNU OpenMP's own (as benchmarks/vs_trl.py).
+if "--side" in sys.argv and sys.argv[sys.argv.index("--side") + 1:][:1] == ["sealrl"]:
+    import sealrl.cli  # noqa: F401
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))   # the sibling modules, also when imported from elsewhere

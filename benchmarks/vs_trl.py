@@ -18,11 +18,13 @@ no bf16, no gradient checkpointing. TRL runs the whole 128-sample batch in one f
   per-step times are on_step_begin -> on_step_end of a callback (generation, reward,
   reference, update). With num_iterations=1 TRL takes the old log-probs from the update's own
   forward, so it runs no old-log-prob forward.
-Each side runs in its own subprocess (so `peak_rss_mib`, the side's max RSS, is its own),
-one after the other, with the same torch thread count; the first --warmup steps of each are
-excluded and the median of the rest is reported. With --rounds R the pair (sealrl, then TRL,
-each from scratch) runs R times and the timed steps are pooled, so that load from other
-processes on a shared machine drifts over both sides alike.
+Each side runs in its own subprocess (so `peak_rss_mib`, the side's max RSS, is its own), one
+after the other, with the same torch thread count and each under its own OpenMP defaults
+(sealrl's CLI bounds the spin of idle OpenMP threads, GOMP_SPINCOUNT=3000; TRL runs with GNU
+OpenMP's default; an OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment applies to both); the
+first --warmup steps of each are excluded and the median of the rest is reported. With --rounds
+R the pair (sealrl, then TRL, each from scratch) runs R times and the timed steps are pooled, so
+that load from other processes on a shared machine drifts over both sides alike.
 
 Shapes (--shape): `tiny` the embedded model above; `mid` a random-init Qwen2 layout (GQA,
 tied embeddings, 16,384-token vocabulary, 15.7M parameters; benchmarks/shapes.py), whose
@@ -75,8 +77,11 @@ import tempfile
 import time
 from pathlib import Path
 
-# Idle OpenMP workers must sleep, not spin (see benchmarks/rollout.py); set before torch loads.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Each side runs under its own defaults, set before torch loads: sealrl's under the OpenMP wait
+# its CLI sets (sealrl/cli.py), TRL's under GNU OpenMP's own, which a TRL script gets. (Until
+# session 17 both ran with OMP_WAIT_POLICY=PASSIVE, which slowed each side's small ops.)
+if "--side" in sys.argv and sys.argv[sys.argv.index("--side") + 1:][:1] == ["sealrl"]:
+    import sealrl.cli  # noqa: F401
 
 import torch  # noqa: E402
 
@@ -271,6 +276,7 @@ def run_side(args) -> None:
     fn = run_sealrl if args.side == "sealrl" else run_trl
     out = fn(args, args.workdir, f"{args.side}{args.rounds}")
     out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out["openmp"] = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
     print(json.dumps(out))
 
 
@@ -318,6 +324,7 @@ def main() -> None:
         if runs[side]:
             report[side] = summarise(pooled(runs[side]), n, peak)
             report[side]["peak_rss_mib"] = round(max(r["peak_rss_mib"] for r in runs[side]), 1)
+            report[side]["openmp"] = runs[side][0]["openmp"]   # the side's OpenMP wait ({}: GNU OpenMP's default)
     if runs["trl"]:
         import trl
         report["trl_version"] = trl.__version__

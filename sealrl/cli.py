@@ -14,9 +14,16 @@ import sys
 import traceback
 from pathlib import Path
 
-# Idle OpenMP threads spin by default; on a 2-core machine a spinning thread that shares a core
-# with another process slows every matmul by 10x or more. Set before torch is imported.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# How long an idle OpenMP thread of torch's pool spins before it sleeps (GNU OpenMP, which the
+# CPU torch uses). Its default, about 3 ms, is ruinous when a core is shared: another busy
+# process made a step 10x slower on 2 cores. Sleeping at once (OMP_WAIT_POLICY=PASSIVE, this
+# CLI's choice until session 17) makes every small op wait for its threads to wake: the embedded
+# model's step took twice as long as with spinning on an idle machine, the mid shape's 1.15x
+# (docs/design-notes.md, "CPU threads"). 3,000 spins (about 30 us) keeps nearly all the gain and
+# bounds the loss when a core is shared. A user's own setting wins. Set before torch is imported.
+SPIN_COUNT = "3000"
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
 
 def _train(args) -> int:
     from sealrl.config import load_config
