@@ -66,3 +66,20 @@ def test_a_wall_cap_stops_cleanly_at_an_iteration_boundary(tmp_path):
     summary = json.loads((tmp_path / "cap" / "summary.json").read_text())
     assert summary["completed"] is False and summary["iterations"] == 1
     assert (tmp_path / "cap" / "checkpoints" / "latest").read_text() == "step_1"
+
+
+@pytest.mark.parametrize("given, want", [
+    ({}, {"GOMP_SPINCOUNT": "3000"}),                                       # the CLI's bounded spin
+    ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "PASSIVE"}),       # the user's choice wins
+    ({"GOMP_SPINCOUNT": "0"}, {"GOMP_SPINCOUNT": "0"}),
+])
+def test_the_cli_sets_the_openmp_wait_before_torch_loads_unless_the_user_did(given, want):
+    """GNU OpenMP reads its wait settings once, when torch loads it: the CLI must set them at its
+    own import, before anything imports torch, and leave a user's setting alone."""
+    import os
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    code = ("import json, os, sys; import sealrl.cli; assert 'torch' not in sys.modules; "
+            "print(json.dumps({k: os.environ[k] for k in ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT') if k in os.environ}))")
+    out = subprocess.run([sys.executable, "-c", code], env={**env, **given}, capture_output=True, text=True,
+                         check=True).stdout
+    assert json.loads(out) == want
