@@ -56,7 +56,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--prompts", type=int, default=4, help="data.prompts_per_iter")
     p.add_argument("--n", type=int, default=8, help="rollout.n")
-    p.add_argument("--eval-num", type=int, default=500, help="held-out problems (data.num_eval and eval.num)")
+    p.add_argument("--eval-num", type=int, default=500, help="held-out problems (eval.num)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3],
                    help="run.seed of each repeat; samples/s is pooled and accuracy averaged over them")
     p.add_argument("--lr", type=float, default=1.5e-4, help="actor.lr (the example's is 5e-4)")
@@ -75,7 +75,6 @@ def one_run(args, k: int, seed: int, out: Path) -> dict:
                  f"run.threads={threads}", "run.eval_every=0", "run.checkpoint_every=0",
                  "run.max_wall_s=0", f"rollout.lane={args.lane}", f"actor.lr={args.lr}",
                  f"data.prompts_per_iter={args.prompts}", f"rollout.n={args.n}", f"eval.num={args.eval_num}",
-                 f"data.num_eval={args.eval_num}",
                  "algorithm.old_log_prob=recompute", "algorithm.correction=token_is",
                  f"rollout.max_staleness={k}", *args.overrides]
     t0 = time.perf_counter()

@@ -76,8 +76,10 @@ def _batch():
 
 
 def test_nested_overrides_and_a_target_that_matches_nothing():
-    cfg = load_config(None, ["actor.lora.rank=16", "actor.lora.target_modules=all-linear", "critic.lora.rank=2"])
-    assert (cfg.actor.lora.rank, cfg.actor.lora.target_modules, cfg.critic.lora.rank) == (16, "all-linear", 2)
+    cfg = load_config(None, ["actor.lora.rank=16", "actor.lora.target_modules=all-linear"])
+    assert (cfg.actor.lora.rank, cfg.actor.lora.target_modules) == (16, "all-linear")
+    with pytest.raises(ConfigError, match="config key critic.lora was removed: the critic follows actor.lora"):
+        load_config(None, ["critic.lora.rank=2"])
     assert cfg.to_dict()["actor"]["lora"] == {"rank": 16, "alpha": 32.0, "dropout": 0.0, "target_modules": "all-linear"}
     assert load_config(None, []).actor.lora.rank == 0   # off by default
     with pytest.raises(ConfigError, match=r"unknown config key actor.lora.rnk; did you mean 'rank'"):

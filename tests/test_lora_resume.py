@@ -18,7 +18,7 @@ from tests.helpers_resume import learned_metrics, straight_and_resumed
 ARGS = small_args("run.name=r", "run.iterations=6", "run.checkpoint_every=1", "run.threads=1", "data.num_train=40",
                   "eval.num=8", "actor.micro_batch_size=8", "actor.ppo_epochs=2", "actor.mini_batch_size=8",
                   "actor.lr_schedule=cosine", "actor.warmup_steps=2", "algorithm.name=ppo", "algorithm.kl_coef=0.05",
-                  "actor.lora.rank=4", "actor.lora.target_modules=q_proj,v_proj", "critic.lora.rank=2", "run.seed=0")
+                  "actor.lora.rank=4", "actor.lora.target_modules=q_proj,v_proj", "run.seed=0")
 
 
 @pytest.mark.slow
@@ -29,6 +29,8 @@ def test_killed_lora_run_resumes_to_the_same_adapter_bitwise(tmp_path):
     # the adapter only: q_proj and v_proj of 4 layers, A and B each; the base is named by hash
     assert len(actor) == 16 and all(".lora_" in k for k in actor)
     critic = load_file(str(step / "critic_model.safetensors"))
+    # the critic follows actor.lora: an adapter of the same shape, its value head trained in full
+    assert sum(".lora_" in k for k in critic) == 16
     assert {k for k in critic if ".lora_" not in k} == {"value_head.weight", "value_head.bias"}
     state = json.loads((step / "state.json").read_text())
     assert set(state) >= {"actor_base_hash", "critic_base_hash"}

@@ -177,12 +177,12 @@ def test_critic_minibatch_epochs_are_invariant_to_the_micro_batch_split():
     of 4 take 4 optimizer steps, and the weights after them do not depend on the micro-batch size.
     Adam's eps is raised to 1e-3 so that a gradient element of rounding size (the micro-batch split
     reorders fp32 sums) moves its weight by at most lr * gap / eps ~ 1e-8, far below the bound."""
-    cfg = build_config(None, ["algorithm.name=ppo", "critic.adam_eps=1e-3", "critic.lr=1e-3"])
+    cfg = build_config(None, ["algorithm.name=ppo", "critic.lr=1e-3"])
     weights, losses = [], []
     for micro in (1, 3, 8):
         torch.manual_seed(0)
         critic = Critic(CriticModel.from_causal_lm(make_model()), cfg.critic, 0, micro, "token-mean", HORIZON,
-                        tf=TeacherForcing(micro_batch_size=micro), epochs=2, mini_batch_size=4)
+                        tf=TeacherForcing(micro_batch_size=micro), epochs=2, mini_batch_size=4, adam_eps=1e-3)
         batch = make_batch()
         critic.compute(batch)
         batch.put("returns", batch.get("advantages") + batch.get("values"), "driver", "test")
@@ -194,7 +194,7 @@ def test_critic_minibatch_epochs_are_invariant_to_the_micro_batch_split():
         for a, b in zip(weights[0], other):
             assert (a - b).abs().max() <= 1e-6
     torch.manual_seed(0)   # and the minibatches are real: one full-batch step gives other weights
-    one = Critic(CriticModel.from_causal_lm(make_model()), cfg.critic, 0, 8, "token-mean", HORIZON)
+    one = Critic(CriticModel.from_causal_lm(make_model()), cfg.critic, 0, 8, "token-mean", HORIZON, adam_eps=1e-3)
     batch = make_batch()
     one.compute(batch)
     batch.put("returns", batch.get("advantages") + batch.get("values"), "driver", "test")

@@ -146,14 +146,15 @@ def role_sequence(strategy: str, distributed: bool) -> dict:
     from sealrl.roles.critic import Critic
     from sealrl.roles.distributed import full_optimizer_state, full_state
     cfg = build_config(None, ["actor.micro_batch_size=1", "actor.mini_batch_size=3", "actor.lr=1e-3",
-                              "actor.adam_eps=1e-6", "critic.adam_eps=1e-6", "critic.lr=1e-3"])
+                              "actor.adam_eps=1e-6", "critic.lr=1e-3"])
     def make_actor():   # every rank its own model, as every Ray actor unpickles its own
         return Actor(make_model(), cfg.actor, cfg.algorithm, "run", "tok", 1.0, 0, 10, HORIZON)
 
     def make_critic():
         with torch.random.fork_rng():
             torch.manual_seed(5)   # the value head's init
-            return Critic(CriticModel.from_causal_lm(make_model()), cfg.critic, 0, 3, "token-mean", HORIZON)
+            return Critic(CriticModel.from_causal_lm(make_model()), cfg.critic, 0, 3, "token-mean", HORIZON,
+                          adam_eps=cfg.actor.adam_eps)
 
     def ready(rank):
         if distributed:

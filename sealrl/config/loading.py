@@ -37,6 +37,9 @@ REMOVED = {
     "rollout.vllm.max_num_seqs": "rollout.max_rows bounds vLLM's rows too",
     "run.progress": "the progress bar shows when stderr is a terminal",
     "eval.temperature": "pass@k samples at rollout.temperature",
+    "data.num_eval": "a generated task makes eval.num held-out problems",
+    **{f"critic.{key}": f"the critic follows actor.{key}"
+       for key in ("weight_decay", "adam_eps", "dtype", "device", "lora")},
 }
 
 

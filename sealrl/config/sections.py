@@ -122,7 +122,6 @@ class DataConfig:
     train_file: str = ""                   # Parquet or JSONL in the verl layout (task=file)
     eval_file: str = ""                    # held-out Parquet or JSONL (task=file)
     num_train: int = 4000                  # synthetic training prompts
-    num_eval: int = 500                    # held-out problems for evaluation
     prompts_per_iter: int = 32             # prompts per iteration (each becomes a group of rollout.n)
     max_prompt_tokens: int = 64            # longer prompts are an error (or dropped, see on_bad_row)
     on_bad_row: str = "error"              # error | drop (counted)
@@ -241,7 +240,7 @@ class AlgorithmConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class LoraConfig:  # actor.lora / critic.lora (models/lora.py): a peft LoRA adapter on a frozen base
+class LoraConfig:  # actor.lora, the critic's too (models/lora.py): a peft LoRA adapter on a frozen base
     rank: int = 0                          # LoRA rank r (0 = off: every weight is trained)
     alpha: float = 32.0                    # the adapter's output is scaled by alpha / rank
     dropout: float = 0.0                   # dropout on the adapter's input (training only)
@@ -311,18 +310,13 @@ class ActorConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class CriticConfig:  # warm-up, gradient checkpointing and the fast path follow the actor's keys
+class CriticConfig:  # AdamW weight decay/eps, warm-up, LoRA, dtype, device, checkpointing: the actor's keys
     lr: float = 1e-4                       # critic AdamW learning rate (PPO only)
-    weight_decay: float = 0.0              # critic AdamW weight decay
-    adam_eps: float = 1e-8                 # critic AdamW epsilon
     value_clip: float = 0.0                # value-loss clip (0 = off)
     grad_clip: float = 1.0                 # critic max grad norm (0 = off)
     ppo_epochs: int = 0                    # passes over the iteration's experience (0 = actor.ppo_epochs)
     mini_batch_size: int = -1              # samples per optimizer step (0 = whole batch; -1 = actor.mini_batch_size)
     micro_batch_size: int = 0              # samples per forward/backward (0 = actor.micro_batch_size)
-    lora: LoraConfig = field(default_factory=LoraConfig)  # critic.lora.rank > 0: adapter + value head trained
-    dtype: str = "fp32"                    # fp32 | bf16 (autocast compute; fp32 master weights and AdamW state)
-    device: str = "auto"                   # auto | cpu | cuda: the critic's model and passes (auto: cuda if available)
 
     def __post_init__(self):
         _check(self.lr > 0, "critic.lr", "> 0", self.lr)
@@ -331,8 +325,6 @@ class CriticConfig:  # warm-up, gradient checkpointing and the fast path follow 
                self.mini_batch_size)
         _check(self.micro_batch_size >= 0, "critic.micro_batch_size", ">= 0 (0 = actor.micro_batch_size)",
                self.micro_batch_size)
-        _check(self.dtype in ("fp32", "bf16"), "critic.dtype", "fp32 | bf16", self.dtype)
-        _check(self.device in DEVICES, "critic.device", " | ".join(DEVICES), self.device)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -371,7 +363,7 @@ class RewardConfig:  # docs/rewards.md; components and route are checked by seal
 
 @dataclass(kw_only=True, slots=True)
 class EvalConfig:
-    num: int = resumable(500)              # held-out problems evaluated (<= data.num_eval)
+    num: int = resumable(500)              # held-out problems evaluated (a generated task makes this many)
     pass_k: int = resumable(1)             # k of pass@k (k > 1 samples at rollout.temperature; 1 = greedy)
 
 

@@ -70,7 +70,8 @@ def role_devices(cfg) -> dict[str, torch.device]:
     p = cfg.placement
     gpu_replicas = p.backend == "ray" and p.gpus_per_replica > 0   # cuda is resolved inside each replica
     out = {role: resolve_device(getattr(cfg, role).device, f"{role}.device")
-           for role in ("actor", "critic", "reference", "rollout") if not (role == "rollout" and gpu_replicas)}
+           for role in ("actor", "reference", "rollout") if not (role == "rollout" and gpu_replicas)}
+    out["critic"] = out["actor"]   # the critic follows actor.device
     if gpu_replicas:
         out["rollout"] = torch.device("cuda" if cfg.rollout.device != "cpu" else "cpu")
     if cfg.actor.lora.rank and cfg.algorithm.kl_coef > 0 and out["reference"] != out["actor"]:

@@ -24,12 +24,15 @@ class Critic:
     def __init__(self, model: CriticModel, cfg: CriticConfig, pad_id: int, micro_batch_size: int,
                  loss_agg: str, horizon: int, tf: TeacherForcing | None = None, epochs: int = 1,
                  mini_batch_size: int = 0, warmup_steps: int = 0, checkpointing: bool = False,
-                 fused: bool = False):
+                 fused: bool = False, dtype: str = "fp32", device: str = "auto", adam_eps: float = 1e-8,
+                 weight_decay: float = 0.0):
         """`micro_batch_size`, `epochs`, `mini_batch_size`: the critic's own (critic.* keys, the
         actor's where unset: trainer/setup.py); mini_batch_size 0 is the whole batch.
-        `warmup_steps`, `checkpointing` (gradient checkpointing) and `fused` (AdamW's fused
-        kernel: the fast path) follow the actor's."""
-        self.device = precision.resolve_device(cfg.device, "critic.device")
+        `warmup_steps`, `checkpointing` (gradient checkpointing), `fused` (AdamW's fused kernel:
+        the fast path), `dtype`, `device` and AdamW's `adam_eps` and `weight_decay` follow the
+        actor's keys."""
+        self.device = precision.resolve_device(device, "actor.device")
+        self.dtype, self.adam_eps, self.weight_decay = dtype, adam_eps, weight_decay
         self.model, self.cfg, self.pad_id = model.to(self.device), cfg, pad_id   # in place: moved, not copied
         self.micro, self.loss_agg, self.horizon = micro_batch_size, loss_agg, horizon
         self.epochs, self.mini, self.warmup_steps, self.fused = epochs, mini_batch_size, warmup_steps, fused
@@ -43,8 +46,8 @@ class Critic:
         """AdamW over the model's trainable parameters (with LoRA: the adapter and the value head);
         made again after FSDP2 replaces them with DTensors."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        return common.adamw(params, self.fused, lr=self.cfg.lr, eps=self.cfg.adam_eps,
-                            weight_decay=self.cfg.weight_decay)
+        return common.adamw(params, self.fused, lr=self.cfg.lr, eps=self.adam_eps,
+                            weight_decay=self.weight_decay)
 
     @property
     def version(self) -> str:
@@ -52,7 +55,7 @@ class Critic:
 
     def _values(self, samples):
         """(values (B, R), last values (B,), mask) on the CPU, beside the batch's tensors."""
-        with precision.compute(self.cfg.dtype, precision.model_device(self.model)):
+        with precision.compute(self.dtype, precision.model_device(self.model)):
             v, last, mask = self.tf.values(self.model, [list(s.prompt_ids) for s in samples],
                                            [list(s.response_ids) for s in samples], self.pad_id)
         return v.cpu(), last.cpu(), mask.cpu()

@@ -12,7 +12,8 @@ from sealrl.sync.manifest import build_manifest, in_dtype
 
 
 def wrap_models(cfg: Config, model):
-    """(actor model, rollout template, critic model or None) when actor.lora or critic.lora is on.
+    """(actor model, rollout template, critic model or None) when actor.lora is on (the critic's
+    backbone gets an adapter of the same shape; its value head trains in full).
     The template (the rollout engine's structure, no weights) and the critic's backbone are taken
     from the plain policy before its adapter is injected (peft rewrites the model in place).
     Seeds: the critic as without LoRA (run.seed + 1), the adapters' A factors run.seed + 2 / + 3."""
@@ -22,10 +23,8 @@ def wrap_models(cfg: Config, model):
         from sealrl.models.critic import CriticModel
         torch.manual_seed(cfg.run.seed + 1)
         critic = CriticModel.from_causal_lm(model)
-        if cfg.critic.lora.rank:   # the value head stays outside the adapter and trains in full
-            critic.backbone = apply_lora(critic.backbone, cfg.critic.lora, "critic.lora", cfg.run.seed + 3)
-    if cfg.actor.lora.rank:
-        model = apply_lora(model, cfg.actor.lora, "actor.lora", cfg.run.seed + 2)
+        critic.backbone = apply_lora(critic.backbone, cfg.actor.lora, "actor.lora", cfg.run.seed + 3)
+    model = apply_lora(model, cfg.actor.lora, "actor.lora", cfg.run.seed + 2)
     return model, template, critic
 
 

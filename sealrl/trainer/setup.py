@@ -147,7 +147,7 @@ def build_data(cfg: Config, tokenizer) -> Data:
     else:
         train = prompts_from_rows(make_task(d.task, "train", d.num_train, cfg.run.seed), tokenizer,
                                   source=f"{d.task}-train", **kw)
-        evals = prompts_from_rows(make_task(d.task, "test", d.num_eval, 1234), tokenizer,
+        evals = prompts_from_rows(make_task(d.task, "test", cfg.eval.num, 1234), tokenizer,
                                   source=f"{d.task}-test", **kw)
     if not len(train):
         raise ConfigError(f"no usable training prompts in {train.source}")
@@ -228,7 +228,7 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
     HOSTS.clear()   # where this run's Ray workers land (placement.json)
     model, tokenizer = load_causal_lm(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     template, critic_model = model, None   # the rollout's structure; the critic when LoRA made it
-    if cfg.actor.lora.rank or cfg.critic.lora.rank:
+    if cfg.actor.lora.rank:
         model, template, critic_model = adapters.wrap_models(cfg, model)
     tok_hash = tokenizer_hash(tokenizer)
     temperature, pad = cfg.rollout.temperature, padding_id(tokenizer, cfg.model.path)
@@ -290,7 +290,8 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
                                             tf=dataclasses.replace(tf, micro_batch_size=micro),
                                             epochs=c.ppo_epochs or a.ppo_epochs, mini_batch_size=mini,
                                             warmup_steps=a.warmup_steps, checkpointing=a.gradient_checkpointing,
-                                            fused=not cfg.run.exact)
+                                            fused=not cfg.run.exact, dtype=a.dtype, device=a.device,
+                                            adam_eps=a.adam_eps, weight_decay=a.weight_decay)
             critic = make_critic()
             if cfg.placement.critic_ranks > 1:
                 critic = data_parallel_role(cfg, "critic", make_critic, critic, closers)

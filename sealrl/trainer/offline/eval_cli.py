@@ -1,6 +1,7 @@
 """`sealrl eval`: load the policy of a run, a checkpoint or a model folder and evaluate it."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from sealrl.config import Config, MissingInputError
@@ -15,6 +16,8 @@ from sealrl.trainer.resume.position import checkpoint_model_state
 
 
 def evaluate_path(path: Path, cfg: Config, num: int | None, pass_k: int) -> dict:
+    if num:   # a generated task makes eval.num held-out problems
+        cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, num=num))
     weights = None
     if (path / "COMMITTED").is_file():                      # a checkpoint folder
         model_dir, weights = cfg.model.path, checkpoint_model_state(path)
@@ -42,7 +45,7 @@ def evaluate_path(path: Path, cfg: Config, num: int | None, pass_k: int) -> dict
         rollout.load(state, manifest)
         data = setup.build_data(cfg, tokenizer)
         return evaluate(rollout, manifest.version, data.eval, setup.build_reward_fn(cfg), tokenizer,
-                        cfg.rollout.max_new_tokens, num or cfg.eval.num, pass_k=pass_k,
+                        cfg.rollout.max_new_tokens, cfg.eval.num, pass_k=pass_k,
                         temperature=cfg.rollout.temperature, seed=cfg.run.seed, num_scorers=cfg.reward.num_scorers,
                         timeout_s=cfg.reward.timeout_s)
     finally:
