@@ -7,7 +7,7 @@ benchmarks/learn_real_data.py (500 training, 200 held-out rows, seed 0, verl lay
 prompt a system message, one worked example and the question, rendered by the model's chat
 template), scored 1/0 by benchmarks/learn_real_reward.py:compute_score (the final number in
 \\boxed{}, after "answer is", or at the end). Per step --prompts prompts x --n samples at
-temperature 1.0 (no top-k/top-p), up to --max-new-tokens new tokens, group-normalised
+temperature --temperature (0.8; no top-k/top-p), up to --max-new-tokens new tokens, group-normalised
 advantages, PPO-clip 0.2 token-mean loss (TRL's `dapo`), KL to the initial model with
 coefficient --kl-coef (0: no reference model, as TRL's default beta), one AdamW step per batch
 at a constant --lr, grad clip 1.0, fp32.
@@ -27,7 +27,7 @@ training time. Each side runs in its own subprocess, one after the other, per se
 TRL shuffles the training prompts with its own sampler, sealrl with its own: the same rows,
 not the same order.
 
-Run (the last line printed is JSON; hours on 2 CPU cores at the defaults):
+Run (the last line printed is JSON; about 25 minutes a seed on 2 idle CPU cores at the defaults):
     .venv/bin/python benchmarks/learn_real.py --threads 2
     .venv/bin/python benchmarks/learn_real.py --iterations 2 --num-eval 8 --seeds 0 --threads 1   # smoke
     .venv/bin/python benchmarks/learn_real.py --write-data examples/learn_real/data   # data only
@@ -62,14 +62,14 @@ EVAL_BATCH = 64   # TRL side: held-out rows per generate call
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", default="0,1,2", help="comma list of run seeds (both sides)")
-    p.add_argument("--iterations", type=int, default=60, help="GRPO steps per side and seed")
+    p.add_argument("--iterations", type=int, default=30, help="GRPO steps per side and seed")
     p.add_argument("--prompts", type=int, default=4, help="prompts per step")
     p.add_argument("--n", type=int, default=8, help="samples per prompt (group size)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=1.0, help="training sampling temperature")
+    p.add_argument("--temperature", type=float, default=0.8, help="training sampling temperature")
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--kl-coef", type=float, default=0.0, help="KL coefficient (TRL's beta)")
-    p.add_argument("--eval-every", type=int, default=20, help="steps between held-out evaluations")
+    p.add_argument("--eval-every", type=int, default=10, help="steps between held-out evaluations")
     p.add_argument("--num-eval", type=int, default=200, help="held-out rows evaluated")
     p.add_argument("--skip", choices=("sealrl", "trl"), default=None, help="run one side only")
     p.add_argument("--threads", type=int, default=2, help="torch threads for both sides")
