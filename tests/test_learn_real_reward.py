@@ -1,6 +1,8 @@
 """benchmarks/learn_real_reward.py (the real-model learning benchmark's reward) and the data set
 of benchmarks/learn_real_data.py: unit tests, fast, no model."""
 import importlib.util
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -112,3 +114,20 @@ def test_committed_data_is_the_generators():
     train, test = data.split(500, 200, seed=0)
     assert pq.read_table(folder / "train.parquet").to_pylist() == data.rows(train, "train")
     assert pq.read_table(folder / "test.parquet").to_pylist() == data.rows(test, "test")
+
+
+def test_the_plot_draws_each_sides_mean_and_every_seeds_points(tmp_path):
+    """benchmarks/plot_learn_real.py: one line per side (the mean over seeds), one point per
+    seed and evaluation, x in steps (samples / (prompts x n)), from the log's last JSON line."""
+    plot = _load("plot_learn_real")
+    seeds = [{"seed": s, "curve": [[0, 0.2], [320, 0.25 + s / 100], [640, 0.3]]} for s in (0, 1, 2)]
+    report = {"args": {"prompts": 4, "n": 8},
+              "sealrl": {"seeds": seeds, "mean": {"curve": [[0, 0.2], [320, 0.26], [640, 0.3]]}},
+              "trl": {"seeds": seeds[:1], "mean": {"curve": [[0, 0.2], [320, 0.25], [640, 0.3]]}}}
+    log = tmp_path / "learn_real.log"
+    log.write_text("learn_real: sealrl, seed 0 ...\n" + json.dumps(report) + "\n")
+    svg = plot.chart(plot.report_of(log))
+    assert svg.count("<polyline") == 2 and svg.count("<circle") == 3 * 3 + 3
+    assert "sealrl, mean of 3 seeds" in svg and "trl, mean of 1 seeds" in svg and "<style>" in svg
+    x = [float(v) for v in re.findall(r'<text x="([\d.]+)" y="[\d.]+" text-anchor="middle">20<', svg)]
+    assert len(x) == 1   # the last evaluation is at step 20 (640 samples / 32 a step)
