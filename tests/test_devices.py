@@ -28,7 +28,7 @@ from tests.harness import small_args
 from tests.test_models_packing import _actor, _update_grads
 from tests.test_placement_dp import V0, make_batch, make_model
 
-ROLES = ("actor", "critic", "reference", "rollout")
+ROLES = ("actor", "reference", "rollout")   # the critic follows actor.device
 
 
 @pytest.mark.parametrize("role", ROLES)
@@ -45,7 +45,8 @@ def test_cuda_without_cuda_is_a_config_error_naming_the_key(role, monkeypatch):
     with pytest.raises(ConfigError, match=f"{role}.device=cuda asked for, but torch sees no CUDA") as err:
         check_inputs(cfg)   # before any run folder or model exists
     assert err.value.key == f"{role}.device"
-    assert {r: d.type for r, d in precision.role_devices(build_config(None, [])).items()} == dict.fromkeys(ROLES, "cpu")
+    assert {r: d.type for r, d in precision.role_devices(build_config(None, [])).items()} == \
+        dict.fromkeys((*ROLES, "critic"), "cpu")
 
 
 def test_auto_is_cuda_only_where_torch_sees_it(monkeypatch):
@@ -63,6 +64,8 @@ def test_lora_reference_must_be_on_the_actors_device(monkeypatch):
         precision.role_devices(build_config(None, [*lora, "reference.device=cpu"]))
     assert err.value.key == "reference.device"
     assert precision.role_devices(build_config(None, [*lora, "reference.device=auto"]))["reference"].type == "cuda"
+    assert precision.role_devices(build_config(None, ["actor.device=cuda", "reference.device=cpu"]))["critic"].type \
+        == "cuda"   # the critic follows actor.device
     # without LoRA the reference is its own copy and may live elsewhere
     assert precision.role_devices(build_config(None, ["actor.device=cuda", "reference.device=cpu"]))["reference"].type \
         == "cpu"
