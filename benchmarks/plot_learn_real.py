@@ -14,11 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+from sealrl.obs.report import CSS
 from sealrl.obs.svg import PALETTE, Series, line_chart
-
-# the chart's own classes (sealrl/obs/report.py styles them in the page; a lone SVG needs them)
-STYLE = ("<style>svg{background:#fff;font:11px system-ui,sans-serif}.t{font-size:13px;font-weight:600}"
-         ".g{stroke:#eee}.a{stroke:#888}.f{fill:none;stroke:#888}text{fill:#333}</style>")
 
 
 def report_of(path: Path) -> dict:
@@ -42,8 +39,8 @@ def chart(report: dict) -> str:
                              color, points=True))
     title = f"SmolLM2-135M-Instruct, {a['prompts']}x{a['n']} samples a step"
     svg = line_chart(title, series, "held-out greedy accuracy")
-    head, _, rest = svg.partition(">")
-    return f"{head}>{STYLE}{rest}\n"
+    head, _, rest = svg.partition(">")   # the run report's style, which a lone SVG does not inherit
+    return f"{head}><style>{CSS}</style>{rest}\n"
 
 
 def main() -> None:
