@@ -23,11 +23,12 @@ at a constant --lr, grad clip 1.0, fp32.
   Training time is the sum of on_step_begin -> on_step_end (the callback evaluates after it
   has taken the step's time).
 Evaluation seconds are reported apart (`eval_s`): they are not part of either side's
-training time. Each side runs in its own subprocess, one after the other, per seed.
+training time. Each side and seed runs in its own subprocess: all sealrl seeds, then all TRL seeds.
 TRL shuffles the training prompts with its own sampler, sealrl with its own: the same rows,
 not the same order.
 
-Run (the last line printed is JSON; about 25 minutes a seed on 2 idle CPU cores at the defaults):
+Run (the last line printed is JSON, each finished side and seed also goes to stderr as one line;
+on 2 idle CPU cores at the defaults sealrl takes about 13 minutes a seed and TRL about 35):
     .venv/bin/python benchmarks/learn_real.py --threads 2
     .venv/bin/python benchmarks/learn_real.py --iterations 2 --num-eval 8 --seeds 0 --threads 1   # smoke
     .venv/bin/python benchmarks/learn_real.py --write-data examples/learn_real/data   # data only
@@ -274,9 +275,11 @@ def main() -> None:
         data = Path(tmp) / "data"
         learn_real_data.write(data)
         results = {side: [] for side in sides}
-        for seed in seeds:
-            for side in sides:
+        for side in sides:   # side by side: sealrl's seeds first, so its verdict comes early
+            for seed in seeds:
                 results[side].append({"seed": seed, **spawn_side(args, side, seed, data, Path(tmp))})
+                print(f"learn_real: {side}, seed {seed}: {json.dumps(results[side][-1])}",
+                      file=sys.stderr, flush=True)   # kept if a later seed is stopped
     for side in sides:
         report[side] = {"seeds": results[side], "mean": mean_over_seeds(results[side])}
     if len(sides) == 2:
