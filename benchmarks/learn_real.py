@@ -28,7 +28,8 @@ TRL shuffles the training prompts with its own sampler, sealrl with its own: the
 not the same order.
 
 Run (the last line printed is JSON, each finished side and seed also goes to stderr as one line;
-on 2 idle CPU cores at the defaults sealrl takes about 13 minutes a seed and TRL about 35):
+on 2 idle CPU cores at the defaults sealrl takes about 10 minutes a seed and TRL about 35;
+the whole run took 2 h 11 min in session 19, docs/benchmarks.md):
     .venv/bin/python benchmarks/learn_real.py --threads 2
     .venv/bin/python benchmarks/learn_real.py --iterations 2 --num-eval 8 --seeds 0 --threads 1   # smoke
     .venv/bin/python benchmarks/learn_real.py --write-data examples/learn_real/data   # data only
