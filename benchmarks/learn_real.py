@@ -276,7 +276,7 @@ def main() -> None:
         data = Path(tmp) / "data"
         learn_real_data.write(data)
         results = {side: [] for side in sides}
-        for side in sides:   # side by side: sealrl's seeds first, so its verdict comes early
+        for side in sides:   # one side after the other: sealrl's seeds first, so its verdict comes early
             for seed in seeds:
                 results[side].append({"seed": seed, **spawn_side(args, side, seed, data, Path(tmp))})
                 print(f"learn_real: {side}, seed {seed}: {json.dumps(results[side][-1])}",
