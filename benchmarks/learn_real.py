@@ -33,6 +33,7 @@ the whole run took 2 h 11 min in session 19, docs/benchmarks.md):
     .venv/bin/python benchmarks/learn_real.py --threads 2
     .venv/bin/python benchmarks/learn_real.py --iterations 2 --num-eval 8 --seeds 0 --threads 1   # smoke
     .venv/bin/python benchmarks/learn_real.py --write-data examples/learn_real/data   # data only
+    .venv/bin/python benchmarks/learn_real.py --merge run1.log run2.log   # one report of both runs' seeds
 The sealrl side alone is `sealrl train examples/smollm2_learn.yaml`. Needs the `bench` extra
 for the TRL side (trl, datasets, accelerate).
 """
@@ -78,6 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model-path", type=Path, default=Path("models/smollm2-135m-instruct"))
     p.add_argument("--write-data", type=Path, default=None, metavar="DIR",
                    help="only write DIR/train.parquet and DIR/test.parquet, then exit")
+    p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="LOG",
+                   help="only combine the reports of earlier runs (same workload, other seeds) into one")
     p.add_argument("--side", choices=("sealrl", "trl"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--data", type=Path, default=None, help=argparse.SUPPRESS)
@@ -260,6 +263,9 @@ def main() -> None:
     args = parse_args()
     if args.side:
         return run_side(args)
+    if args.merge:
+        print(json.dumps(merge(args.merge)))
+        return
     if args.write_data:
         train, test = learn_real_data.write(args.write_data)
         print(f"wrote {train} and {test}")
@@ -271,7 +277,7 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     sides = [s for s in ("sealrl", "trl") if s != args.skip]
     report = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
-                       if k not in ("side", "seed", "data", "workdir", "write_data")}}
+                       if k not in ("side", "seed", "data", "workdir", "write_data", "merge")}}
     with tempfile.TemporaryDirectory(prefix="learn_real_") as tmp:
         data = Path(tmp) / "data"
         learn_real_data.write(data)
@@ -281,13 +287,51 @@ def main() -> None:
                 results[side].append({"seed": seed, **spawn_side(args, side, seed, data, Path(tmp))})
                 print(f"learn_real: {side}, seed {seed}: {json.dumps(results[side][-1])}",
                       file=sys.stderr, flush=True)   # kept if a later seed is stopped
-    for side in sides:
-        report[side] = {"seeds": results[side], "mean": mean_over_seeds(results[side])}
-    if len(sides) == 2:
+    print(json.dumps(finish(report, results)))
+
+
+def finish(report: dict, results: dict[str, list[dict]]) -> dict:
+    """The report: each side's seeds and their mean, and the two sides against each other."""
+    for side, seeds in results.items():
+        report[side] = {"seeds": seeds, "mean": mean_over_seeds(seeds)}
+    if len(results) == 2:
         s, t = report["sealrl"]["mean"], report["trl"]["mean"]
         report["train_wall_ratio_trl_over_sealrl"] = round(t["train_wall_s"] / s["train_wall_s"], 3)
         report["after_minus_trl_points"] = round(100 * (s["after"] - t["after"]), 2)
-    print(json.dumps(report))
+    return report
+
+
+NOT_WORKLOAD = ("seeds", "skip", "merge", "merged")   # report args that may differ between merged runs
+
+
+def final_report(log: Path) -> dict:
+    """The JSON report a run printed last (a log taken with 2>&1 has other lines too)."""
+    lines = [x for x in log.read_text().splitlines() if x.startswith("{")]
+    if not lines:
+        sys.exit(f"learn_real: {log} has no JSON line (a run's last line is its report)")
+    return json.loads(lines[-1])
+
+
+def merge(logs: list[Path]) -> dict:
+    """One report from the final JSON lines of several runs of the same workload (other seeds):
+    every seed of each side, in the order given. Refuses runs whose workload differs or that
+    share a seed."""
+    reports = [final_report(log) for log in logs]
+    workload = {k: v for k, v in reports[0]["args"].items() if k not in NOT_WORKLOAD}
+    results: dict[str, list[dict]] = {}
+    for log, r in zip(logs, reports):
+        other = {k: v for k, v in r["args"].items() if k not in NOT_WORKLOAD}
+        if other != workload:
+            diff = sorted(k for k in set(other) | set(workload) if other.get(k) != workload.get(k))
+            sys.exit(f"learn_real: {log} ran another workload than {logs[0]} ({', '.join(diff)})")
+        for side in ("sealrl", "trl"):
+            for seed in r.get(side, {}).get("seeds", []):
+                if any(x["seed"] == seed["seed"] for x in results.get(side, [])):
+                    sys.exit(f"learn_real: {log} repeats {side} seed {seed['seed']}")
+                results.setdefault(side, []).append(seed)
+    seeds = sorted({x["seed"] for side in results.values() for x in side})
+    return finish({"args": {**workload, "seeds": ",".join(map(str, seeds)), "merged": [str(x) for x in logs]}},
+                  results)
 
 
 if __name__ == "__main__":

@@ -5,24 +5,20 @@ points.
     .venv/bin/python benchmarks/learn_real.py --threads 2 | tee learn_real.log
     .venv/bin/python benchmarks/plot_learn_real.py learn_real.log docs/learn_real.svg
 
-The input is a file whose last line is learn_real.py's JSON report (its log as written above).
+The input is a file whose last line is learn_real.py's JSON report (its log as written above, or
+what `learn_real.py --merge` prints for several runs' seeds together).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from sealrl.obs.report import CSS
 from sealrl.obs.svg import PALETTE, Series, line_chart
 
-
-def report_of(path: Path) -> dict:
-    lines = [x for x in path.read_text().splitlines() if x.startswith("{")]
-    if not lines:
-        sys.exit(f"plot_learn_real: {path} has no JSON line (learn_real.py's last line is its report)")
-    return json.loads(lines[-1])
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # the sibling learn_real.py, also when imported
+from learn_real import final_report as report_of  # noqa: E402
 
 
 def chart(report: dict) -> str:

@@ -131,3 +131,44 @@ def test_the_plot_draws_each_sides_mean_and_every_seeds_points(tmp_path):
     assert "sealrl, mean of 3 seeds" in svg and "trl, mean of 1 seeds" in svg and "<style>" in svg
     x = [float(v) for v in re.findall(r'<text x="([\d.]+)" y="[\d.]+" text-anchor="middle">20<', svg)]
     assert len(x) == 1   # the last evaluation is at step 20 (640 samples / 32 a step)
+
+
+def _run_log(tmp_path, name: str, seeds: dict[str, list[tuple[int, float]]], **args) -> Path:
+    """A learn_real.py log whose report holds, per side, (seed, accuracy after) of 30 steps."""
+    lr = _load("learn_real")
+    report = {"args": {"seeds": ",".join(str(s) for s, _ in next(iter(seeds.values()))), "iterations": 30,
+                       "prompts": 4, "n": 8, "lr": 2e-5, "skip": None, **args}}
+    results = {side: [{"seed": s, "curve": [[0, 0.2], [960, after]], "before": 0.2, "after": after,
+                       "gain_points": round(100 * (after - 0.2), 2), "train_wall_s": 100.0 * (1 + i),
+                       "eval_s": 10.0} for s, after in runs] for i, (side, runs) in enumerate(seeds.items())}
+    log = tmp_path / name
+    log.write_text("learn_real: sealrl, seed 0 ...\n" + json.dumps(lr.finish(report, results)) + "\n")
+    return log
+
+
+def test_merge_pools_the_seeds_of_several_runs(tmp_path):
+    """learn_real.py --merge: every seed of both runs per side, the means over all of them."""
+    lr = _load("learn_real")
+    a = _run_log(tmp_path, "a.log", {"sealrl": [(0, 0.3), (1, 0.4)], "trl": [(0, 0.35), (1, 0.25)]})
+    b = _run_log(tmp_path, "b.log", {"sealrl": [(3, 0.5)], "trl": [(3, 0.2)]})
+    merged = lr.merge([a, b])
+    assert [s["seed"] for s in merged["sealrl"]["seeds"]] == [0, 1, 3]
+    assert merged["sealrl"]["mean"]["after"] == 0.4 and merged["trl"]["mean"]["after"] == round(0.8 / 3, 4)
+    assert merged["after_minus_trl_points"] == round(100 * (0.4 - round(0.8 / 3, 4)), 2)
+    assert merged["train_wall_ratio_trl_over_sealrl"] == 2.0
+    assert merged["args"]["seeds"] == "0,1,3" and merged["args"]["merged"] == [str(a), str(b)]
+
+
+def test_merge_refuses_another_workload_or_a_repeated_seed(tmp_path):
+    lr = _load("learn_real")
+    a = _run_log(tmp_path, "a.log", {"sealrl": [(0, 0.3)], "trl": [(0, 0.3)]})
+    other = _run_log(tmp_path, "b.log", {"sealrl": [(1, 0.3)], "trl": [(1, 0.3)]}, lr=1e-5)
+    with pytest.raises(SystemExit, match=r"b\.log ran another workload than .*a\.log \(lr\)"):
+        lr.merge([a, other])
+    again = _run_log(tmp_path, "c.log", {"sealrl": [(0, 0.5)], "trl": [(2, 0.3)]})
+    with pytest.raises(SystemExit, match=r"c\.log repeats sealrl seed 0"):
+        lr.merge([a, again])
+    empty = tmp_path / "d.log"
+    empty.write_text("learn_real: sealrl, seed 0 ...\n")
+    with pytest.raises(SystemExit, match=r"d\.log has no JSON line"):
+        lr.merge([a, empty])
