@@ -27,13 +27,14 @@ training time. Each side and seed runs in its own subprocess: all sealrl seeds, 
 TRL shuffles the training prompts with its own sampler, sealrl with its own: the same rows,
 not the same order.
 
-Run (the last line printed is JSON, each finished side and seed also goes to stderr as one line;
+Run (the last line printed is JSON; stderr gets the workload first, then each finished side and
+seed as one line, so a stopped run keeps what it measured and --merge can read it;
 on 2 idle CPU cores at the defaults sealrl takes about 10 minutes a seed and TRL about 35;
 the whole run took 2 h 11 min in session 19, docs/benchmarks.md):
     .venv/bin/python benchmarks/learn_real.py --threads 2
     .venv/bin/python benchmarks/learn_real.py --iterations 2 --num-eval 8 --seeds 0 --threads 1   # smoke
     .venv/bin/python benchmarks/learn_real.py --write-data examples/learn_real/data   # data only
-    .venv/bin/python benchmarks/learn_real.py --merge run1.log run2.log   # one report of both runs' seeds
+    .venv/bin/python benchmarks/learn_real.py --merge run1.log run2.err   # one report of both runs' seeds
 The sealrl side alone is `sealrl train examples/smollm2_learn.yaml`. Needs the `bench` extra
 for the TRL side (trl, datasets, accelerate).
 """
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -278,6 +280,7 @@ def main() -> None:
     sides = [s for s in ("sealrl", "trl") if s != args.skip]
     report = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
                        if k not in ("side", "seed", "data", "workdir", "write_data", "merge")}}
+    print(ARGS_LINE + json.dumps(report["args"]), file=sys.stderr, flush=True)   # a stopped run's workload
     with tempfile.TemporaryDirectory(prefix="learn_real_") as tmp:
         data = Path(tmp) / "data"
         learn_real_data.write(data)
@@ -301,7 +304,9 @@ def finish(report: dict, results: dict[str, list[dict]]) -> dict:
     return report
 
 
-NOT_WORKLOAD = ("seeds", "skip", "merge", "merged")   # report args that may differ between merged runs
+NOT_WORKLOAD = ("seeds", "skip", "merge", "merged", "unchecked")   # args that may differ between merged runs
+SEED_LINE = re.compile(r"^learn_real: (sealrl|trl), seed (\d+): (\{.*\})$")   # a finished seed, on stderr
+ARGS_LINE = "learn_real: args "   # a run's workload, first on stderr
 
 
 def final_report(log: Path) -> dict:
@@ -312,27 +317,45 @@ def final_report(log: Path) -> dict:
     return json.loads(lines[-1])
 
 
+def read_run(log: Path) -> dict:
+    """A run's report from its log: the final JSON line; for a run stopped before it (its stderr),
+    the seeds it finished, each side's in order, and its workload when the log has it."""
+    text = log.read_text().splitlines()
+    if any(x.startswith("{") for x in text):
+        return final_report(log)
+    report: dict = {"args": next((json.loads(x[len(ARGS_LINE):]) for x in text if x.startswith(ARGS_LINE)), None)}
+    for side, seed, result in (m.groups() for x in text if (m := SEED_LINE.match(x))):
+        report.setdefault(side, {"seeds": []})["seeds"].append(json.loads(result))
+    if not any(side in report for side in ("sealrl", "trl")):
+        sys.exit(f"learn_real: {log} has neither a report nor a finished seed")
+    return report
+
+
 def merge(logs: list[Path]) -> dict:
-    """One report from the final JSON lines of several runs of the same workload (other seeds):
-    every seed of each side, in the order given. Refuses runs whose workload differs or that
-    share a seed."""
-    reports = [final_report(log) for log in logs]
-    workload = {k: v for k, v in reports[0]["args"].items() if k not in NOT_WORKLOAD}
+    """One report from several runs of the same workload (other seeds): every seed of each side,
+    in the order given. A run is read from its final JSON line, or, stopped before it, from the
+    seeds it finished (its stderr). Refuses runs whose workload differs or that share a seed; a
+    stopped run from before its stderr named the workload is listed as `unchecked`."""
+    reports = [read_run(log) for log in logs]
+    full = [r["args"] for r in reports if r["args"] is not None]
+    if not full:
+        sys.exit("learn_real: no log names its workload (a finished run's report, or a run's stderr)")
+    workload = {k: v for k, v in full[0].items() if k not in NOT_WORKLOAD}
     results: dict[str, list[dict]] = {}
     for log, r in zip(logs, reports):
-        other = {k: v for k, v in r["args"].items() if k not in NOT_WORKLOAD}
+        other = workload if r["args"] is None else {k: v for k, v in r["args"].items() if k not in NOT_WORKLOAD}
         if other != workload:
             diff = sorted(k for k in set(other) | set(workload) if other.get(k) != workload.get(k))
-            sys.exit(f"learn_real: {log} ran another workload than {logs[0]} ({', '.join(diff)})")
+            sys.exit(f"learn_real: {log} ran another workload than the first log that names one ({', '.join(diff)})")
         for side in ("sealrl", "trl"):
             for seed in r.get(side, {}).get("seeds", []):
                 if any(x["seed"] == seed["seed"] for x in results.get(side, [])):
                     sys.exit(f"learn_real: {log} repeats {side} seed {seed['seed']}")
                 results.setdefault(side, []).append(seed)
     seeds = sorted({x["seed"] for side in results.values() for x in side})
-    return finish({"args": {**workload, "seeds": ",".join(map(str, seeds)), "merged": [str(x) for x in logs]}},
-                  results)
-
+    unchecked = [str(log) for log, r in zip(logs, reports) if r["args"] is None]
+    return finish({"args": {**workload, "seeds": ",".join(map(str, seeds)), "merged": [str(x) for x in logs],
+                            **({"unchecked": unchecked} if unchecked else {})}}, results)
 
 if __name__ == "__main__":
     main()

@@ -163,12 +163,35 @@ def test_merge_refuses_another_workload_or_a_repeated_seed(tmp_path):
     lr = _load("learn_real")
     a = _run_log(tmp_path, "a.log", {"sealrl": [(0, 0.3)], "trl": [(0, 0.3)]})
     other = _run_log(tmp_path, "b.log", {"sealrl": [(1, 0.3)], "trl": [(1, 0.3)]}, lr=1e-5)
-    with pytest.raises(SystemExit, match=r"b\.log ran another workload than .*a\.log \(lr\)"):
+    with pytest.raises(SystemExit, match=r"b\.log ran another workload than the first log that names one \(lr\)"):
         lr.merge([a, other])
     again = _run_log(tmp_path, "c.log", {"sealrl": [(0, 0.5)], "trl": [(2, 0.3)]})
     with pytest.raises(SystemExit, match=r"c\.log repeats sealrl seed 0"):
         lr.merge([a, again])
     empty = tmp_path / "d.log"
     empty.write_text("learn_real: sealrl, seed 0 ...\n")
-    with pytest.raises(SystemExit, match=r"d\.log has no JSON line"):
+    with pytest.raises(SystemExit, match=r"d\.log has neither a report nor a finished seed"):
         lr.merge([a, empty])
+
+
+def test_merge_reads_the_finished_seeds_of_a_stopped_run(tmp_path):
+    """A run stopped before its report leaves its finished seeds on stderr: --merge takes them,
+    checks its workload when the stderr names it, and lists it as unchecked when it does not."""
+    lr = _load("learn_real")
+    a = _run_log(tmp_path, "a.log", {"sealrl": [(0, 0.3)], "trl": [(0, 0.3)]})
+    args = lr.final_report(a)["args"]
+    seed = {"seed": 5, "curve": [[0, 0.2], [960, 0.5]], "before": 0.2, "after": 0.5, "gain_points": 30.0,
+            "train_wall_s": 100.0, "eval_s": 10.0}
+    lines = ["learn_real: sealrl, seed 5 ...", f"learn_real: sealrl, seed 5: {json.dumps(seed)}",
+             "learn_real: trl, seed 5 ..."]
+    stopped = tmp_path / "stopped.err"
+    stopped.write_text("\n".join(lines) + "\n")
+    merged = lr.merge([a, stopped])
+    assert [s["seed"] for s in merged["sealrl"]["seeds"]] == [0, 5] and len(merged["trl"]["seeds"]) == 1
+    assert merged["sealrl"]["mean"]["after"] == 0.4 and merged["args"]["unchecked"] == [str(stopped)]
+    named = tmp_path / "named.err"
+    named.write_text(lr.ARGS_LINE + json.dumps({**args, "lr": 1e-5}) + "\n" + "\n".join(lines) + "\n")
+    with pytest.raises(SystemExit, match=r"named\.err ran another workload .*\(lr\)"):
+        lr.merge([a, named])
+    named.write_text(lr.ARGS_LINE + json.dumps(args) + "\n" + "\n".join(lines) + "\n")
+    assert "unchecked" not in lr.merge([a, named])["args"]
