@@ -357,5 +357,6 @@ def merge(logs: list[Path]) -> dict:
     return finish({"args": {**workload, "seeds": ",".join(map(str, seeds)), "merged": [str(x) for x in logs],
                             **({"unchecked": unchecked} if unchecked else {})}}, results)
 
+
 if __name__ == "__main__":
     main()
