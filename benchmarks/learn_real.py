@@ -311,18 +311,23 @@ ARGS_LINE = "learn_real: args "   # a run's workload, first on stderr
 
 def final_report(log: Path) -> dict:
     """The JSON report a run printed last (a log taken with 2>&1 has other lines too)."""
-    lines = [x for x in log.read_text().splitlines() if x.startswith("{")]
-    if not lines:
+    report = _last_json(log.read_text().splitlines())
+    if report is None:
         sys.exit(f"learn_real: {log} has no JSON line (a run's last line is its report)")
-    return json.loads(lines[-1])
+    return report
+
+
+def _last_json(lines: list[str]) -> dict | None:
+    reports = [x for x in lines if x.startswith("{")]
+    return json.loads(reports[-1]) if reports else None
 
 
 def read_run(log: Path) -> dict:
     """A run's report from its log: the final JSON line; for a run stopped before it (its stderr),
     the seeds it finished, each side's in order, and its workload when the log has it."""
     text = log.read_text().splitlines()
-    if any(x.startswith("{") for x in text):
-        return final_report(log)
+    if (final := _last_json(text)) is not None:
+        return final
     report: dict = {"args": next((json.loads(x[len(ARGS_LINE):]) for x in text if x.startswith(ARGS_LINE)), None)}
     for side, seed, result in (m.groups() for x in text if (m := SEED_LINE.match(x))):
         report.setdefault(side, {"seeds": []})["seeds"].append(json.loads(result))
