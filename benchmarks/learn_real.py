@@ -23,9 +23,15 @@ at a constant --lr, grad clip 1.0, fp32.
   Training time is the sum of on_step_begin -> on_step_end (the callback evaluates after it
   has taken the step's time).
 Evaluation seconds are reported apart (`eval_s`): they are not part of either side's
-training time. Each side and seed runs in its own subprocess: all sealrl seeds, then all TRL seeds.
-TRL shuffles the training prompts with its own sampler, sealrl with its own: the same rows,
-not the same order.
+training time. Each side and seed runs in its own subprocess, seed by seed (sealrl, then TRL),
+so a stopped run keeps whole pairs.
+
+Prompt order (`--order`): `paired` (the default) gives TRL's trainer sealrl's order for the same
+seed (sealrl's sampler permutation, epoch after epoch, with TRL's own shuffle off), so at every
+step both sides train on the same prompts and a seed's two results differ only by what each side
+does with them; each side records the prompt ids it trained on per step, the report says whether
+they matched (`same_prompts`) and gives the paired difference of the final accuracies. `own`: each
+side shuffles with its own sampler (the runs of sessions 18-20): the same rows, not the same order.
 
 Run (the last line printed is JSON; stderr gets the workload first, then each finished side and
 seed as one line, so a stopped run keeps what it measured and --merge can read it;
@@ -76,6 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kl-coef", type=float, default=0.0, help="KL coefficient (TRL's beta)")
     p.add_argument("--eval-every", type=int, default=10, help="steps between held-out evaluations")
     p.add_argument("--num-eval", type=int, default=200, help="held-out rows evaluated")
+    p.add_argument("--order", choices=("paired", "own"), default="paired",
+                   help="paired: TRL trains on sealrl's prompt order; own: each side shuffles its own way")
     p.add_argument("--skip", choices=("sealrl", "trl"), default=None, help="run one side only")
     p.add_argument("--threads", type=int, default=2, help="torch threads for both sides")
     p.add_argument("--model-path", type=Path, default=Path("models/smollm2-135m-instruct"))
@@ -103,6 +111,7 @@ def curve_point(step: int, args, accuracy: float) -> list:
 
 def run_sealrl(args) -> dict:
     from sealrl.config import build_config
+    from sealrl.experience.store import iteration_path, read_table
     from sealrl.obs.metrics import read_metrics
     from sealrl.trainer import driver
 
@@ -133,18 +142,38 @@ def run_sealrl(args) -> dict:
     ])
     summary = driver.train(cfg)
     rows = read_metrics(args.workdir / name)
+    folder = args.workdir / name / "experience"
+    prompts = [sorted({int(x) for x in read_table(iteration_path(folder, it))[0].column("prompt_id").to_pylist()})
+               for it in range(summary["iterations"])]
     curve = [curve_point(0, args, summary["accuracy_before"])]
     curve += [curve_point(r["iteration"] + 1, args, r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     curve.append(curve_point(summary["iterations"], args, summary["accuracy_after"]))
     return {"curve": curve, "train_wall_s": rows[-1]["time/train_wall_s"], "eval_s": sum(eval_s),
-            "reward_mean": [round(r["reward/mean"], 4) for r in rows if "reward/mean" in r]}
+            "reward_mean": [round(r["reward/mean"], 4) for r in rows if "reward/mean" in r], "prompts": prompts}
 
 
 # ---- TRL ----------------------------------------------------------------------------------
 
-def reward_rows(completions, ground_truth, **_) -> list[float]:
-    """TRL's reward signature: conversational completions, the dataset's ground_truth column."""
+TRL_PROMPTS: list[list[int]] = []   # the prompt ids (extra_info.index) of each step TRL scored
+
+
+def reward_rows(completions, ground_truth, index, **_) -> list[float]:
+    """TRL's reward signature: conversational completions, the dataset's ground_truth and index
+    columns. TRL scores once per step here (one generation batch a step), so each call is a step."""
+    TRL_PROMPTS.append(sorted(set(index)))
     return [compute_score(learn_real_data.DATA_SOURCE, c[0]["content"], t) for c, t in zip(completions, ground_truth)]
+
+
+def sealrl_order(rows: list[dict], seed: int, needed: int) -> list[dict]:
+    """The first `needed` rows in the order sealrl's sampler takes them at `seed`: its permutation
+    of epoch 0, then of epoch 1, ... (trainer/setup.py:build_sampler shuffles with run.seed)."""
+    from sealrl.data.sampler import epoch_permutation
+    out: list[dict] = []
+    epoch = 0
+    while len(out) < needed:
+        out += [rows[i] for i in epoch_permutation(len(rows), seed, epoch)]
+        epoch += 1
+    return out[:needed]
 
 
 def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) -> float:
@@ -177,8 +206,10 @@ def run_trl(args) -> dict:
 
     train_rows = pq.read_table(args.data / "train.parquet").to_pylist()
     eval_rows = pq.read_table(args.data / "test.parquet").to_pylist()[:args.num_eval]
-    data = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"]}
-                              for r in train_rows])
+    if args.order == "paired":   # TRL's sampler then keeps this order (shuffle_dataset=False)
+        train_rows = sealrl_order(train_rows, args.seed, args.iterations * args.prompts)
+    data = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"],
+                               "index": r["extra_info"]["index"]} for r in train_rows])
     tokenizer = AutoTokenizer.from_pretrained(args.model_path)
     trainer = None
 
@@ -210,7 +241,8 @@ def run_trl(args) -> dict:
         top_p=1.0, top_k=0, beta=args.kl_coef, learning_rate=args.lr, lr_scheduler_type="constant",
         warmup_steps=0, optim="adamw_torch", weight_decay=0.0, max_grad_norm=1.0, loss_type="dapo",
         epsilon=0.2, num_iterations=1, max_steps=args.iterations, logging_steps=1, save_strategy="no",
-        report_to="none", seed=args.seed, dataloader_num_workers=0, disable_tqdm=True, log_completions=False)
+        report_to="none", seed=args.seed, dataloader_num_workers=0, disable_tqdm=True, log_completions=False,
+        shuffle_dataset=args.order == "own")
     clock = Clock()
     trainer = GRPOTrainer(model=str(args.model_path), reward_funcs=reward_rows, args=config, train_dataset=data,
                           processing_class=tokenizer, callbacks=[clock])
@@ -220,7 +252,7 @@ def run_trl(args) -> dict:
     clock.evaluate(len(clock.step_s))
     rewards = [round(h["reward"], 4) for h in trainer.state.log_history if "reward" in h]
     return {"curve": clock.curve, "train_wall_s": sum(clock.step_s), "eval_s": sum(clock.eval_s),
-            "reward_mean": rewards}
+            "reward_mean": rewards, "prompts": TRL_PROMPTS}
 
 
 # ---- driver -------------------------------------------------------------------------------
@@ -242,7 +274,8 @@ def spawn_side(args, side: str, seed: int, data: Path, workdir: Path) -> dict:
            "--workdir", str(workdir), "--model-path", str(args.model_path), "--iterations", str(args.iterations),
            "--prompts", str(args.prompts), "--n", str(args.n), "--max-new-tokens", str(args.max_new_tokens),
            "--temperature", str(args.temperature), "--lr", str(args.lr), "--kl-coef", str(args.kl_coef),
-           "--eval-every", str(args.eval_every), "--num-eval", str(args.num_eval), "--threads", str(args.threads)]
+           "--eval-every", str(args.eval_every), "--num-eval", str(args.num_eval), "--threads", str(args.threads),
+           "--order", args.order]
     print(f"learn_real: {side}, seed {seed} ...", file=sys.stderr, flush=True)
     done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     if done.returncode:
@@ -285,8 +318,8 @@ def main() -> None:
         data = Path(tmp) / "data"
         learn_real_data.write(data)
         results = {side: [] for side in sides}
-        for side in sides:   # one side after the other: sealrl's seeds first, so its verdict comes early
-            for seed in seeds:
+        for seed in seeds:   # seed by seed: a stopped run keeps whole pairs
+            for side in sides:
                 results[side].append({"seed": seed, **spawn_side(args, side, seed, data, Path(tmp))})
                 print(f"learn_real: {side}, seed {seed}: {json.dumps(results[side][-1])}",
                       file=sys.stderr, flush=True)   # kept if a later seed is stopped
@@ -301,7 +334,24 @@ def finish(report: dict, results: dict[str, list[dict]]) -> dict:
         s, t = report["sealrl"]["mean"], report["trl"]["mean"]
         report["train_wall_ratio_trl_over_sealrl"] = round(t["train_wall_s"] / s["train_wall_s"], 3)
         report["after_minus_trl_points"] = round(100 * (s["after"] - t["after"]), 2)
+        report.update(paired(results["sealrl"], results["trl"]))
     return report
+
+
+def paired(sealrl: list[dict], trl: list[dict]) -> dict:
+    """Seed by seed, for the seeds both sides ran: did they train on the same prompts at every
+    step, and sealrl's final accuracy minus TRL's (points), with the mean and its standard error."""
+    by_seed = {r["seed"]: r for r in trl}
+    pairs = [(s, by_seed[s["seed"]]) for s in sealrl if s["seed"] in by_seed]
+    if not pairs:
+        return {}
+    diffs = [round(100 * (s["after"] - t["after"]), 2) for s, t in pairs]
+    out = {"paired_seeds": [s["seed"] for s, _ in pairs], "paired_after_minus_trl_points": diffs,
+           "same_prompts": [s.get("prompts") is not None and s.get("prompts") == t.get("prompts") for s, t in pairs],
+           "paired_mean_points": round(statistics.mean(diffs), 2)}
+    if len(diffs) > 1:
+        out["paired_stderr_points"] = round(statistics.stdev(diffs) / len(diffs) ** 0.5, 2)
+    return out
 
 
 NOT_WORKLOAD = ("seeds", "skip", "merge", "merged", "unchecked")   # args that may differ between merged runs
