@@ -164,10 +164,16 @@ def reward_rows(completions, ground_truth, index, **_) -> list[float]:
     return [compute_score(learn_real_data.DATA_SOURCE, c[0]["content"], t) for c, t in zip(completions, ground_truth)]
 
 
-def sealrl_order(rows: list[dict], seed: int, needed: int) -> list[dict]:
-    """The first `needed` rows in the order sealrl's sampler takes them at `seed`: its permutation
-    of epoch 0, then of epoch 1, ... (trainer/setup.py:build_sampler shuffles with run.seed)."""
+def sealrl_order(rows: list[dict], seed: int, steps: int, per_step: int) -> list[dict]:
+    """The rows of `steps` steps of `per_step` prompts in the order sealrl's sampler takes them at
+    `seed`: its permutation of epoch 0, then of epoch 1, ... (trainer/setup.py:build_sampler
+    shuffles with run.seed). sealrl's last step of an epoch is short when `per_step` does not
+    divide the rows, which a fixed-size TRL step cannot follow: refused when the run gets there."""
     from sealrl.data.sampler import epoch_permutation
+    needed = steps * per_step
+    if needed > len(rows) and len(rows) % per_step:
+        raise ValueError(f"paired order: {len(rows)} rows are not a whole number of {per_step}-prompt steps, "
+                         f"and {steps} steps run past the first epoch")
     out: list[dict] = []
     epoch = 0
     while len(out) < needed:
@@ -207,7 +213,7 @@ def run_trl(args) -> dict:
     train_rows = pq.read_table(args.data / "train.parquet").to_pylist()
     eval_rows = pq.read_table(args.data / "test.parquet").to_pylist()[:args.num_eval]
     if args.order == "paired":   # TRL's sampler then keeps this order (shuffle_dataset=False)
-        train_rows = sealrl_order(train_rows, args.seed, args.iterations * args.prompts)
+        train_rows = sealrl_order(train_rows, args.seed, args.iterations, args.prompts)
     data = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"],
                                "index": r["extra_info"]["index"]} for r in train_rows])
     tokenizer = AutoTokenizer.from_pretrained(args.model_path)

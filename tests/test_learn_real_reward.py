@@ -195,3 +195,37 @@ def test_merge_reads_the_finished_seeds_of_a_stopped_run(tmp_path):
         lr.merge([a, named])
     named.write_text(lr.ARGS_LINE + json.dumps(args) + "\n" + "\n".join(lines) + "\n")
     assert "unchecked" not in lr.merge([a, named])["args"]
+
+
+def test_the_paired_order_is_the_one_sealrls_sampler_takes():
+    """--order paired hands TRL's trainer (shuffle off) the rows in the order sealrl's own sampler
+    yields them for the run seed, across an epoch boundary too."""
+    from sealrl.data.sampler import PromptSampler
+    lr = _load("learn_real")
+    rows = [{"row": i} for i in range(10)]
+    for seed in (0, 3):
+        sampler = PromptSampler(len(rows), 5, seed=seed, shuffle=True)
+        want = [i for _ in range(5) for i in sampler.next_batch()]   # two epochs and a step of a third
+        got = [r["row"] for r in lr.sealrl_order(rows, seed, 5, 5)]
+        assert got == want and len(got) == 25
+    assert lr.sealrl_order(rows, 0, 5, 5) != lr.sealrl_order(rows, 1, 5, 5)
+    assert len(lr.sealrl_order(rows, 0, 2, 4)) == 8   # within the first epoch any step size pairs
+    with pytest.raises(ValueError, match="10 rows are not a whole number of 4-prompt steps"):
+        lr.sealrl_order(rows, 0, 3, 4)   # sealrl's third step would be the epoch's last 2 rows
+
+
+def test_the_report_pairs_the_seeds_both_sides_ran(tmp_path):
+    """Per seed both sides ran: sealrl's final accuracy minus TRL's, their mean and standard error,
+    and whether both sides logged the same prompts at every step (a side that logged none: False)."""
+    lr = _load("learn_real")
+    same = [[1, 2], [3, 4]]
+    sealrl = [{"seed": 0, "after": 0.30, "prompts": same}, {"seed": 1, "after": 0.40, "prompts": same},
+              {"seed": 2, "after": 0.50, "prompts": same}, {"seed": 7, "after": 0.9}]
+    trl = [{"seed": 1, "after": 0.30, "prompts": same}, {"seed": 0, "after": 0.35, "prompts": same},
+           {"seed": 2, "after": 0.40, "prompts": [[1, 2], [3, 5]]}]
+    out = lr.paired(sealrl, trl)
+    assert out["paired_seeds"] == [0, 1, 2] and out["paired_after_minus_trl_points"] == [-5.0, 10.0, 10.0]
+    assert out["same_prompts"] == [True, True, False]
+    assert out["paired_mean_points"] == 5.0 and out["paired_stderr_points"] == 5.0
+    assert lr.paired(sealrl[3:], trl) == {}
+    assert lr.paired([{"seed": 1, "after": 0.3}], trl)["same_prompts"] == [False]   # an older run: no prompts
