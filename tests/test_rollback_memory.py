@@ -115,6 +115,65 @@ def test_only_the_newest_snapshot_is_filled_and_a_dropped_one_never():
     assert dropped() is None
 
 
+def test_a_one_step_update_keeps_no_copy_and_rolls_back_only_before_its_step(monkeypatch):
+    """Snapshot(copy=False), what the driver takes when the actor's update is one optimizer step:
+    nothing is ever copied; a failure before the step restores the committed state, bit for bit;
+    one after the step changed it raises NoRollback (never a silent wrong restore)."""
+    from sealrl.roles.common import NoRollback
+    actor = make_actor()
+    actor.update(make_batch(), V0, 0, seed=1, kl_coef=0.0)
+    committed, step = state(actor), actor.step
+    stale = actor.snapshot()   # a copying snapshot the next one replaces: never filled either
+    snap = actor.snapshot(copy=False)
+
+    def fail_loss(*_a, **_k):
+        raise RuntimeError("injected: in the loss")
+    monkeypatch.setattr(actor, "_policy_loss", fail_loss)
+    with pytest.raises(RuntimeError, match="in the loss"):
+        actor.update(make_batch(), V0, 1, seed=2, kl_coef=0.0)
+    monkeypatch.undo()
+    actor.restore(snap)
+    assert actor.step == step and snap.model is None and stale.model is None
+    assert_equal_state(state(actor), committed)
+
+    import sealrl.roles.actor as actor_module
+    snap = actor.snapshot(copy=False)
+    monkeypatch.setattr(actor_module.algos, "ratio_stats", lambda *_: (_ for _ in ()).throw(RuntimeError("after")))
+    with pytest.raises(RuntimeError, match="after"):   # the step ran, then the update's metrics failed
+        actor.update(make_batch(), V0, 1, seed=2, kl_coef=0.0)
+    assert snap.model is None and actor.step == step + 1
+    with pytest.raises(NoRollback, match="keeps no copy"):
+        actor.restore(snap)
+
+
+def test_the_driver_copies_only_for_an_update_of_several_steps(monkeypatch):
+    """update_with_rollback: one optimizer step (the default, one minibatch and one epoch) takes the
+    snapshot without a copy, and a failure after that step stops the run, named; two steps copy."""
+    from sealrl.trainer.state import StageFailed
+    from sealrl.trainer.update import update_with_rollback
+    import sealrl.roles.actor as actor_module
+    for epochs, copies in ((1, False), (2, True)):
+        actor = make_actor()
+        actor.cfg.ppo_epochs = epochs
+        cfg = build_config(None, [f"actor.ppo_epochs={epochs}"])
+        run = SimpleNamespace(cfg=cfg, roles=SimpleNamespace(actor=actor, critic=None), kl_ctl=SimpleNamespace(beta=0.0))
+        taken = []
+        real = actor.snapshot
+        monkeypatch.setattr(actor, "snapshot", lambda copy=True: taken.append(copy) or real(copy))
+        assert update_with_rollback(run, make_batch(), V0, 0)["update/attempts"] == 1
+        assert taken == [copies] and actor.step == epochs
+        monkeypatch.setattr(actor_module.algos, "ratio_stats", lambda *_: (_ for _ in ()).throw(RuntimeError("late")))
+        if copies:   # restored from the copy, tried again, failed again: named, state restored
+            with pytest.raises(StageFailed, match=r"iteration 1: update failed at attempt 2 .*late.*restored"):
+                update_with_rollback(run, make_batch(), V0, 1)
+            assert actor.step == epochs
+        else:
+            with pytest.raises(StageFailed, match=r"iteration 1: update failed at attempt 1 \(RuntimeError: late\) "
+                                                  r"and cannot be rolled back: .*keeps no copy"):
+                update_with_rollback(run, make_batch(), V0, 1)
+        monkeypatch.undo()
+
+
 def test_gradients_are_freed_after_the_optimizer_step():
     actor = make_actor()
     actor.update(make_batch(), V0, 0, seed=1, kl_coef=0.0)

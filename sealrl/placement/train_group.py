@@ -189,9 +189,9 @@ class TrainRank:
         return {**metrics, COLLECTIVES: take_collective_seconds()}, \
             {"step": self.worker.step, "skipped_steps": self.worker.skipped_steps}
 
-    def keep_snapshot(self) -> None:
+    def keep_snapshot(self, copy: bool = True) -> None:
         """The committed state, kept here (never shipped) until `restore_snapshot`."""
-        self._snapshot = self.worker.snapshot()
+        self._snapshot = self.worker.snapshot(copy)
 
     def restore_snapshot(self) -> None:
         self.worker.restore(self._snapshot)
@@ -426,9 +426,9 @@ class _RoleGroup:
         """The ranks' policy as a Hugging Face folder, streamed (models/hf.save_causal_lm_shards)."""
         save_causal_lm_shards(self.local.model, self.streamed("model")[0], tokenizer, path)
 
-    def snapshot(self) -> dict:
+    def snapshot(self, copy: bool = True) -> dict:
         """Every rank keeps its own (sharded) committed state; the driver keeps the counters."""
-        self.replicas.call("keep_snapshot")
+        self.replicas.call("keep_snapshot", copy)
         return {"step": self.local.step, "skipped": self.local.skipped_steps}
 
     def restore(self, snap: dict) -> None:

@@ -161,8 +161,8 @@ class Actor:
         return [torch.tensor(p, dtype=torch.long) for p in common.micro_batches(self.tf, rows.tolist(), batch.samples)]
 
     # ---- rollback -----------------------------------------------------------------------
-    def snapshot(self) -> dict:
-        return common.snapshot(self)
+    def snapshot(self, copy: bool = True) -> dict:
+        return common.snapshot(self, copy)
 
     def restore(self, snap: dict) -> None:
         common.restore(self, snap)

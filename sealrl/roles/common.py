@@ -94,14 +94,23 @@ class Snapshot:
     update's forward and backward are done, so the copy is never alive beside their
     activations, and an update that fails before stepping copies nothing. Until then the
     committed tensors are the live ones; `restore` checks that (`_marks`) and refuses to
-    restore a state that changed in place or was replaced without a step."""
+    restore a state that changed in place or was replaced without a step.
 
-    def __init__(self, role) -> None:
+    `copy=False` (an update of one optimizer step, the last of the iteration): no copy is ever
+    taken. That step is the update's commit point: a failure before it restores as above, and a
+    failure once it has changed the state raises NoRollback instead of restoring. It saves a copy
+    of the weights and optimizer state per iteration (three times the weights with AdamW)."""
+
+    def __init__(self, role, copy: bool = True) -> None:
         self.step, self.skipped = role.step, role.skipped_steps
         self.model: dict | None = None   # the copies, once an optimizer step is about to run
         self.optim: dict | None = None
+        self.copy = copy
         self.marks = _marks(role.model, role.optimizer)
-        _PENDING[role.optimizer] = weakref.ref(self)   # the newest snapshot of an optimizer is filled
+        if copy:
+            _PENDING[role.optimizer] = weakref.ref(self)   # the newest snapshot of an optimizer is filled
+        else:
+            _PENDING.pop(role.optimizer, None)   # an older snapshot is stale from here on: never filled
 
     def fill(self, model, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optim = clone_state(trainable_state(model)), clone_state(optimizer.state_dict())
@@ -121,8 +130,13 @@ def _marks(model, optimizer: torch.optim.Optimizer) -> tuple:
             [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
 
 
-def snapshot(role) -> Snapshot:
-    return Snapshot(role)
+class NoRollback(RuntimeError):
+    """A snapshot taken without a copy (`Snapshot(copy=False)`) cannot restore: the update's
+    optimizer step had changed the weights or optimizer state when it failed."""
+
+
+def snapshot(role, copy: bool = True) -> Snapshot:
+    return Snapshot(role, copy)
 
 
 def restore(role, snap: Snapshot) -> None:
@@ -130,6 +144,9 @@ def restore(role, snap: Snapshot) -> None:
         load_trainable_state(role.model, snap.model)
         role.optimizer.load_state_dict(snap.optim)
     elif _marks(role.model, role.optimizer) != snap.marks:
+        if not snap.copy:
+            raise NoRollback("its optimizer step had changed the weights or optimizer state, and an update of "
+                             "one step keeps no copy of the state before it")
         raise RuntimeError("rollback: weights or optimizer state changed without an optimizer step since the "
                            "snapshot (nothing was copied); cannot restore the committed state")
     role.step, role.skipped_steps = snap.step, snap.skipped

@@ -79,8 +79,8 @@ class Critic:
         batch.put("values", values, Role.CRITIC, self.version)
         batch.put("last_values", torch.cat(lasts).cpu()[back], Role.CRITIC, self.version)
 
-    def snapshot(self) -> dict:
-        return common.snapshot(self)
+    def snapshot(self, copy: bool = True) -> dict:
+        return common.snapshot(self, copy)
 
     def restore(self, snap: dict) -> None:
         common.restore(self, snap)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from sealrl.config import StoppedRun
 from sealrl.experience import ExperienceBatch
 from sealrl.roles.actor import RolloutMismatch
+from sealrl.roles.common import NoRollback
 from sealrl.trainer.iteration_metrics import ref_kl
 from sealrl.trainer.state import StageFailed
 
@@ -25,13 +26,22 @@ def update(run, batch: ExperienceBatch, version, it: int) -> dict:
     return metrics
 
 
+def actor_steps(actor_cfg, samples: int) -> int:
+    """The optimizer steps of one actor update of `samples` samples: epochs x minibatches."""
+    return actor_cfg.ppo_epochs * -(-samples // (actor_cfg.mini_batch_size or samples))
+
+
 def update_with_rollback(run, batch: ExperienceBatch, version, it: int) -> dict:
     """Critic and actor updates. A failed update restores the committed weights and optimizer
     state and is tried again (update attempt + 1) up to run.update_retries times; the last
-    failure is raised naming the stage."""
+    failure is raised naming the stage. The actor's update comes last: when it is one optimizer
+    step, that step commits it, and its snapshot keeps no copy (roles/common.Snapshot); a failure
+    after that step stops the run, named, at the last checkpoint."""
     retries, roles = run.cfg.run.update_retries, run.roles
+    one_step = actor_steps(run.cfg.actor, len(batch)) == 1
     for attempt in range(retries + 1):
-        snaps = [(r, r.snapshot()) for r in (roles.critic, roles.actor) if r is not None and retries]
+        snaps = [(r, r.snapshot(copy=r is not roles.actor or not one_step))
+                 for r in (roles.critic, roles.actor) if r is not None and retries]
         roles.actor.attempt = attempt
         try:
             seed = update_seed(run.cfg, it)
@@ -43,7 +53,14 @@ def update_with_rollback(run, batch: ExperienceBatch, version, it: int) -> dict:
             raise
         except Exception as e:  # noqa: BLE001 - rolled back, retried, then re-raised
             for role, snap in snaps:
-                role.restore(snap)
+                try:
+                    role.restore(snap)
+                except Exception as err:  # noqa: BLE001 - from Ray ranks a NoRollback is a WorkerError's cause
+                    lost = getattr(err, "cause", err)
+                    if not isinstance(lost, NoRollback):
+                        raise
+                    raise StageFailed(f"iteration {it}: update failed at attempt {attempt + 1} "
+                                      f"({type(e).__name__}: {e}) and cannot be rolled back: {lost}") from e
             if isinstance(e, RolloutMismatch):   # the same numbers every try: a named stop
                 raise StageFailed(f"{e}; weights and optimizer restored, nothing of this iteration trained") from e
             if attempt == retries:
