@@ -149,12 +149,25 @@ def run_sealrl(args) -> dict:
     curve += [curve_point(r["iteration"] + 1, args, r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     curve.append(curve_point(summary["iterations"], args, summary["accuracy_after"]))
     return {"curve": curve, "train_wall_s": rows[-1]["time/train_wall_s"], "eval_s": sum(eval_s),
-            "reward_mean": [round(r["reward/mean"], 4) for r in rows if "reward/mean" in r], "prompts": prompts}
+            "reward_mean": [round(r["reward/mean"], 4) for r in rows if "reward/mean" in r], "prompts": prompts,
+            **per_step(rows, SEALRL_STEP_KEYS)}
 
 
 # ---- TRL ----------------------------------------------------------------------------------
 
 TRL_PROMPTS: list[list[int]] = []   # the prompt ids (extra_info.index) of each step TRL scored
+
+
+# What each side logs a step, under one name: the gradient norm before clipping, the policy's
+# entropy at the sampled tokens (at the training temperature), the mean response length in tokens.
+SEALRL_STEP_KEYS = {"grad_norm": "actor/grad_norm", "entropy": "actor/entropy",
+                    "response_len": "rollout/response_len_mean"}
+TRL_STEP_KEYS = {"grad_norm": "grad_norm", "entropy": "entropy", "response_len": "completions/mean_length"}
+
+
+def per_step(rows: list[dict], keys: dict[str, str]) -> dict[str, list[float]]:
+    """{name: [value per step]} of the `keys` (name -> that side's log key) the rows have."""
+    return {name: [round(float(r[key]), 4) for r in rows if key in r] for name, key in keys.items()}
 
 
 def reward_rows(completions, ground_truth, index, **_) -> list[float]:
@@ -256,9 +269,10 @@ def run_trl(args) -> dict:
     clock.evaluate(0)
     trainer.train()
     clock.evaluate(len(clock.step_s))
-    rewards = [round(h["reward"], 4) for h in trainer.state.log_history if "reward" in h]
+    rows = [h for h in trainer.state.log_history if "reward" in h]   # one a step (logging_steps=1)
     return {"curve": clock.curve, "train_wall_s": sum(clock.step_s), "eval_s": sum(clock.eval_s),
-            "reward_mean": rewards, "prompts": TRL_PROMPTS}
+            "reward_mean": [round(h["reward"], 4) for h in rows], "prompts": TRL_PROMPTS,
+            **per_step(rows, TRL_STEP_KEYS)}
 
 
 # ---- driver -------------------------------------------------------------------------------

@@ -229,3 +229,13 @@ def test_the_report_pairs_the_seeds_both_sides_ran(tmp_path):
     assert out["paired_mean_points"] == 5.0 and out["paired_stderr_points"] == 5.0
     assert lr.paired(sealrl[3:], trl) == {}
     assert lr.paired([{"seed": 1, "after": 0.3}], trl)["same_prompts"] == [False]   # an older run: no prompts
+
+
+def test_each_side_reports_its_per_step_diagnostics_under_one_name():
+    lr = _load("learn_real")
+    rows = [{"actor/grad_norm": 1.23456, "actor/entropy": 0.5, "rollout/response_len_mean": 40.0},
+            {"actor/grad_norm": 2.0, "actor/entropy": 0.25, "rollout/response_len_mean": 20.0}, {"eval/accuracy": 0.3}]
+    assert lr.per_step(rows, lr.SEALRL_STEP_KEYS) == {"grad_norm": [1.2346, 2.0], "entropy": [0.5, 0.25],
+                                                       "response_len": [40.0, 20.0]}
+    assert lr.per_step([{"grad_norm": 0.5, "entropy": 0.7, "completions/mean_length": 33.0}], lr.TRL_STEP_KEYS) == \
+        {"grad_norm": [0.5], "entropy": [0.7], "response_len": [33.0]}
