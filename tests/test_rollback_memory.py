@@ -149,9 +149,9 @@ def test_a_one_step_update_keeps_no_copy_and_rolls_back_only_before_its_step(mon
 def test_the_driver_copies_only_for_an_update_of_several_steps(monkeypatch):
     """update_with_rollback: one optimizer step (the default, one minibatch and one epoch) takes the
     snapshot without a copy, and a failure after that step stops the run, named; two steps copy."""
+    import sealrl.roles.actor as actor_module
     from sealrl.trainer.state import StageFailed
     from sealrl.trainer.update import update_with_rollback
-    import sealrl.roles.actor as actor_module
     for epochs, copies in ((1, False), (2, True)):
         actor = make_actor()
         actor.cfg.ppo_epochs = epochs
