@@ -156,7 +156,8 @@ def test_the_driver_copies_only_for_an_update_of_several_steps(monkeypatch):
         actor = make_actor()
         actor.cfg.ppo_epochs = epochs
         cfg = build_config(None, [f"actor.ppo_epochs={epochs}"])
-        run = SimpleNamespace(cfg=cfg, roles=SimpleNamespace(actor=actor, critic=None), kl_ctl=SimpleNamespace(beta=0.0))
+        run = SimpleNamespace(cfg=cfg, roles=SimpleNamespace(actor=actor, critic=None),
+                              kl_ctl=SimpleNamespace(beta=0.0))
         taken = []
         real = actor.snapshot
         monkeypatch.setattr(actor, "snapshot", lambda copy=True: taken.append(copy) or real(copy))
