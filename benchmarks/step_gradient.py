@@ -1,0 +1,87 @@
+"""Is sealrl's GRPO update TRL's? The gradient of one update of a finished run, sealrl's actor
+against TRL's GRPO loss written out on the plain Hugging Face model.
+
+The batch is the run's sealed iteration (its samples, masks and advantages, as trained). sealrl's
+side is the actor's update forward and backward on the run's own path (the fast path unless the
+run set run.exact), from the run's initial model (`model.path`). TRL's side is the loss
+GRPOTrainer computes with loss_type="dapo" and num_iterations=1 (the ratio is 1, so the
+clipped objective's gradient is the plain policy gradient): -sum over tokens of A_i log p_t,
+divided by the batch's loss tokens, log p_t from the model's logits divided by the sampling
+temperature, one sample at a time with no padding. Only the first update is comparable: its
+weights are the initial model's on both sides.
+
+    .venv/bin/python benchmarks/step_gradient.py runs/smollm2_learn      # iteration 0 of a run
+
+The last line printed is JSON: both gradient norms, their cosine, and the largest difference of
+any tensor relative to that tensor's largest entry.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import yaml
+
+from sealrl.config import build_config
+from sealrl.experience.store import iteration_path, read_iteration
+from sealrl.models.hf import load_causal_lm
+from sealrl.roles import common
+from sealrl.roles.actor import Actor, loss_mask
+
+
+def sealrl_gradient(cfg, batch) -> dict[str, torch.Tensor]:
+    model, tok = load_causal_lm(cfg.model.path)
+    exact = cfg.run.exact
+    tf = common.teacher_forcing(cfg.actor, model, exact=exact, group=cfg.rollout.n)
+    actor = Actor(model, cfg.actor, cfg.algorithm, "step_gradient", "", cfg.rollout.temperature, tok.pad_token_id,
+                  1, cfg.rollout.max_new_tokens, tf=tf, exact=exact)
+    _, mask = loss_mask(batch, cfg.algorithm)
+    model.train()
+    actor._accumulate(batch, torch.arange(len(batch)), batch.get("old_log_probs"), batch.get("advantages"), mask,
+                      None, None, [])
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def trl_loss_gradient(cfg, batch) -> dict[str, torch.Tensor]:
+    model, _ = load_causal_lm(cfg.model.path)
+    model.train()
+    _, mask = loss_mask(batch, cfg.algorithm)
+    adv, tokens, temperature = batch.get("advantages"), int(mask.sum()), cfg.rollout.temperature
+    for i, s in enumerate(batch.samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        logits = model(input_ids=torch.tensor([[*s.prompt_ids, *s.response_ids]])).logits[0, p - 1:p - 1 + r]
+        lp = torch.log_softmax(logits.float() / temperature, -1).gather(-1, torch.tensor(s.response_ids)[:, None])
+        (-(adv[i, :r] * lp.squeeze(-1) * mask[i, :r].float()).sum() / tokens).backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict:
+    if a.keys() != b.keys():
+        raise SystemExit(f"step_gradient: the sides have gradients for other tensors: {sorted(a.keys() ^ b.keys())}")
+    norm_a = sum(float(a[n].double().pow(2).sum()) for n in a) ** 0.5
+    norm_b = sum(float(b[n].double().pow(2).sum()) for n in b) ** 0.5
+    dot = sum(float((a[n].double() * b[n].double()).sum()) for n in a)
+    worst = max(float((a[n] - b[n]).abs().max() / b[n].abs().max().clamp(min=1e-30)) for n in a)
+    return {"grad_norm_sealrl": round(norm_a, 6), "grad_norm_trl_loss": round(norm_b, 6),
+            "cosine": round(dot / (norm_a * norm_b), 8), "max_rel_diff": float(f"{worst:.3g}")}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("run", type=Path, help="a finished run's folder (config.yaml, experience/)")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    cfg = build_config(yaml.safe_load((args.run / "config.yaml").read_text()), [])
+    if cfg.actor.lora.rank or cfg.algorithm.kl_coef or cfg.actor.entropy_coef:
+        raise SystemExit("step_gradient: compares the plain GRPO loss only (no LoRA, KL or entropy term)")
+    batch = read_iteration(iteration_path(args.run / "experience", 0))
+    report = {"run": str(args.run), "samples": len(batch), "temperature": cfg.rollout.temperature,
+              **compare(sealrl_gradient(cfg, batch), trl_loss_gradient(cfg, batch))}
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
