@@ -13,7 +13,9 @@ weights are the initial model's on both sides.
     .venv/bin/python benchmarks/step_gradient.py runs/smollm2_learn      # iteration 0 of a run
 
 The last line printed is JSON: both gradient norms, their cosine, and the largest difference of
-any tensor relative to that tensor's largest entry.
+any tensor relative to that tensor's largest entry; then the step each side takes with it (sealrl's
+optimizer step against torch's AdamW as TRL's Trainer builds it for optim="adamw_torch", after
+clip_grad_norm_ at actor.grad_clip): the norm of each update and of their difference.
 """
 from __future__ import annotations
 
@@ -31,17 +33,39 @@ from sealrl.roles import common
 from sealrl.roles.actor import Actor, loss_mask
 
 
-def sealrl_gradient(cfg, batch) -> dict[str, torch.Tensor]:
+def sealrl_gradient(cfg, batch, step: bool = False) -> dict[str, torch.Tensor]:
+    """The actor's update gradient; with `step`, the update each weight then takes instead."""
     model, tok = load_causal_lm(cfg.model.path)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     exact = cfg.run.exact
     tf = common.teacher_forcing(cfg.actor, model, exact=exact, group=cfg.rollout.n)
     actor = Actor(model, cfg.actor, cfg.algorithm, "step_gradient", "", cfg.rollout.temperature, tok.pad_token_id,
                   1, cfg.rollout.max_new_tokens, tf=tf, exact=exact)
     _, mask = loss_mask(batch, cfg.algorithm)
     model.train()
-    actor._accumulate(batch, torch.arange(len(batch)), batch.get("old_log_probs"), batch.get("advantages"), mask,
-                      None, None, [])
-    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    totals = actor._accumulate(batch, torch.arange(len(batch)), batch.get("old_log_probs"),
+                               batch.get("advantages"), mask, None, None, [])
+    if not step:
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    actor._step(totals, None)
+    return {n: p.detach() - before[n] for n, p in model.named_parameters()}
+
+
+def trl_step(cfg, batch) -> dict[str, torch.Tensor]:
+    """The update TRL's Trainer takes with the loss's gradient: clip, then torch's AdamW."""
+    grads = trl_loss_gradient(cfg, batch)
+    model, _ = load_causal_lm(cfg.model.path)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        p.grad = grads[n]
+    a = cfg.actor
+    torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
+    torch.optim.AdamW(model.parameters(), lr=a.lr, betas=a.betas, eps=a.adam_eps, weight_decay=a.weight_decay).step()
+    return {n: p.detach() - before[n] for n, p in model.named_parameters()}
+
+
+def norm(t: dict[str, torch.Tensor]) -> float:
+    return sum(float(v.double().pow(2).sum()) for v in t.values()) ** 0.5
 
 
 def trl_loss_gradient(cfg, batch) -> dict[str, torch.Tensor]:
@@ -80,6 +104,9 @@ def main() -> None:
     batch = read_iteration(iteration_path(args.run / "experience", 0))
     report = {"run": str(args.run), "samples": len(batch), "temperature": cfg.rollout.temperature,
               **compare(sealrl_gradient(cfg, batch), trl_loss_gradient(cfg, batch))}
+    ours, theirs = sealrl_gradient(cfg, batch, step=True), trl_step(cfg, batch)
+    report.update(update_norm_sealrl=round(norm(ours), 7), update_norm_trl=round(norm(theirs), 7),
+                  update_difference_norm=float(f"{norm({n: ours[n] - theirs[n] for n in ours}):.3g}"))
     print(json.dumps(report))
 
 
