@@ -33,8 +33,8 @@ from sealrl.roles import common
 from sealrl.roles.actor import Actor, loss_mask
 
 
-def sealrl_gradient(cfg, batch, step: bool = False) -> dict[str, torch.Tensor]:
-    """The actor's update gradient; with `step`, the update each weight then takes instead."""
+def sealrl_side(cfg, batch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(gradient, update): the actor's update forward and backward, then its optimizer step."""
     model, tok = load_causal_lm(cfg.model.path)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     exact = cfg.run.exact
@@ -45,31 +45,15 @@ def sealrl_gradient(cfg, batch, step: bool = False) -> dict[str, torch.Tensor]:
     model.train()
     totals = actor._accumulate(batch, torch.arange(len(batch)), batch.get("old_log_probs"),
                                batch.get("advantages"), mask, None, None, [])
-    if not step:
-        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     actor._step(totals, None)
-    return {n: p.detach() - before[n] for n, p in model.named_parameters()}
+    return grads, {n: p.detach() - before[n] for n, p in model.named_parameters()}
 
 
-def trl_step(cfg, batch) -> dict[str, torch.Tensor]:
-    """The update TRL's Trainer takes with the loss's gradient: clip, then torch's AdamW."""
-    grads = trl_loss_gradient(cfg, batch)
+def trl_side(cfg, batch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(gradient, update): TRL's loss, then the step its Trainer takes (clip, torch's AdamW)."""
     model, _ = load_causal_lm(cfg.model.path)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    for n, p in model.named_parameters():
-        p.grad = grads[n]
-    a = cfg.actor
-    torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
-    torch.optim.AdamW(model.parameters(), lr=a.lr, betas=a.betas, eps=a.adam_eps, weight_decay=a.weight_decay).step()
-    return {n: p.detach() - before[n] for n, p in model.named_parameters()}
-
-
-def norm(t: dict[str, torch.Tensor]) -> float:
-    return sum(float(v.double().pow(2).sum()) for v in t.values()) ** 0.5
-
-
-def trl_loss_gradient(cfg, batch) -> dict[str, torch.Tensor]:
-    model, _ = load_causal_lm(cfg.model.path)
     model.train()
     _, mask = loss_mask(batch, cfg.algorithm)
     adv, tokens, temperature = batch.get("advantages"), int(mask.sum()), cfg.rollout.temperature
@@ -78,14 +62,21 @@ def trl_loss_gradient(cfg, batch) -> dict[str, torch.Tensor]:
         logits = model(input_ids=torch.tensor([[*s.prompt_ids, *s.response_ids]])).logits[0, p - 1:p - 1 + r]
         lp = torch.log_softmax(logits.float() / temperature, -1).gather(-1, torch.tensor(s.response_ids)[:, None])
         (-(adv[i, :r] * lp.squeeze(-1) * mask[i, :r].float()).sum() / tokens).backward()
-    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    a = cfg.actor
+    torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
+    torch.optim.AdamW(model.parameters(), lr=a.lr, betas=a.betas, eps=a.adam_eps, weight_decay=a.weight_decay).step()
+    return grads, {n: p.detach() - before[n] for n, p in model.named_parameters()}
+
+
+def norm(t: dict[str, torch.Tensor]) -> float:
+    return sum(float(v.double().pow(2).sum()) for v in t.values()) ** 0.5
 
 
 def compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict:
     if a.keys() != b.keys():
         raise SystemExit(f"step_gradient: the sides have gradients for other tensors: {sorted(a.keys() ^ b.keys())}")
-    norm_a = sum(float(a[n].double().pow(2).sum()) for n in a) ** 0.5
-    norm_b = sum(float(b[n].double().pow(2).sum()) for n in b) ** 0.5
+    norm_a, norm_b = norm(a), norm(b)
     dot = sum(float((a[n].double() * b[n].double()).sum()) for n in a)
     worst = max(float((a[n] - b[n]).abs().max() / b[n].abs().max().clamp(min=1e-30)) for n in a)
     return {"grad_norm_sealrl": round(norm_a, 6), "grad_norm_trl_loss": round(norm_b, 6),
@@ -102,9 +93,9 @@ def main() -> None:
     if cfg.actor.lora.rank or cfg.algorithm.kl_coef or cfg.actor.entropy_coef:
         raise SystemExit("step_gradient: compares the plain GRPO loss only (no LoRA, KL or entropy term)")
     batch = read_iteration(iteration_path(args.run / "experience", 0))
+    (grad, ours), (trl_grad, theirs) = sealrl_side(cfg, batch), trl_side(cfg, batch)
     report = {"run": str(args.run), "samples": len(batch), "temperature": cfg.rollout.temperature,
-              **compare(sealrl_gradient(cfg, batch), trl_loss_gradient(cfg, batch))}
-    ours, theirs = sealrl_gradient(cfg, batch, step=True), trl_step(cfg, batch)
+              **compare(grad, trl_grad)}
     report.update(update_norm_sealrl=round(norm(ours), 7), update_norm_trl=round(norm(theirs), 7),
                   update_difference_norm=float(f"{norm({n: ours[n] - theirs[n] for n in ours}):.3g}"))
     print(json.dumps(report))

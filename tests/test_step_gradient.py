@@ -22,8 +22,8 @@ def test_the_first_update_is_trls_grpo_loss(tmp_path):
                               f"run.output_dir={tmp_path}", "run.name=r"]))
     cfg = build_config(yaml.safe_load((tmp_path / "r" / "config.yaml").read_text()), [])
     batch = read_iteration(iteration_path(tmp_path / "r" / "experience", 0))
-    ours = step.sealrl_gradient(cfg, batch)
-    out = step.compare(ours, step.trl_loss_gradient(cfg, batch))
+    ours = step.sealrl_side(cfg, batch)[0]
+    out = step.compare(ours, step.trl_side(cfg, batch)[0])
     assert out["grad_norm_sealrl"] > 0.0
     # The two sides sum the same fp32 terms in other orders (packed shared-prompt rows in
     # micro-batches against one padded-free sequence at a time): a few units of fp32's 1.2e-7 per
@@ -31,4 +31,4 @@ def test_the_first_update_is_trls_grpo_loss(tmp_path):
     # temperature moves whole tensors (relative differences of order 1).
     assert out["max_rel_diff"] < 1e-4 and abs(out["cosine"] - 1.0) < 1e-6
     cfg.rollout.temperature = 1.0   # the check has teeth: the loss at another temperature is another gradient
-    assert step.compare(ours, step.trl_loss_gradient(cfg, batch))["max_rel_diff"] > 1e-2
+    assert step.compare(ours, step.trl_side(cfg, batch)[0])["max_rel_diff"] > 1e-2
