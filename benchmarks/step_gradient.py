@@ -16,6 +16,15 @@ The last line printed is JSON: both gradient norms, their cosine, and the larges
 any tensor relative to that tensor's largest entry; then the step each side takes with it (sealrl's
 optimizer step against torch's AdamW as TRL's Trainer builds it for optim="adamw_torch", after
 clip_grad_norm_ at actor.grad_clip): the norm of each update and of their difference.
+
+    .venv/bin/python benchmarks/step_gradient.py RUN --replay            # every update of a run
+
+`--replay` takes the whole run: from the initial model, TRL's loss and step (one AdamW throughout)
+on each sealed batch of the run in turn, against the run's own final weights (RUN/model). The
+batches are what sealrl sampled; so this asks whether, given those samples, TRL's trainer would
+have ended where sealrl did (Adam's moments, clipping and the driver's bookkeeping included).
+It reports both changes from the initial weights, the norm of their difference, that norm over
+the run's change, and the cosine of the two changes.
 """
 from __future__ import annotations
 
@@ -50,11 +59,8 @@ def sealrl_side(cfg, batch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Te
     return grads, {n: p.detach() - before[n] for n, p in model.named_parameters()}
 
 
-def trl_side(cfg, batch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(gradient, update): TRL's loss, then the step its Trainer takes (clip, torch's AdamW)."""
-    model, _ = load_causal_lm(cfg.model.path)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    model.train()
+def trl_loss_backward(cfg, model, batch) -> None:
+    """Accumulate the gradient of TRL's dapo loss on `batch` into `model`'s .grad."""
     _, mask = loss_mask(batch, cfg.algorithm)
     adv, tokens, temperature = batch.get("advantages"), int(mask.sum()), cfg.rollout.temperature
     for i, s in enumerate(batch.samples):
@@ -62,11 +68,54 @@ def trl_side(cfg, batch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tenso
         logits = model(input_ids=torch.tensor([[*s.prompt_ids, *s.response_ids]])).logits[0, p - 1:p - 1 + r]
         lp = torch.log_softmax(logits.float() / temperature, -1).gather(-1, torch.tensor(s.response_ids)[:, None])
         (-(adv[i, :r] * lp.squeeze(-1) * mask[i, :r].float()).sum() / tokens).backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def trl_optimizer(cfg, model) -> torch.optim.Optimizer:
     a = cfg.actor
-    torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
-    torch.optim.AdamW(model.parameters(), lr=a.lr, betas=a.betas, eps=a.adam_eps, weight_decay=a.weight_decay).step()
+    return torch.optim.AdamW(model.parameters(), lr=a.lr, betas=a.betas, eps=a.adam_eps, weight_decay=a.weight_decay)
+
+
+def trl_side(cfg, batch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(gradient, update): TRL's loss, then the step its Trainer takes (clip, torch's AdamW)."""
+    model, _ = load_causal_lm(cfg.model.path)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.train()
+    trl_loss_backward(cfg, model, batch)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.actor.grad_clip)
+    trl_optimizer(cfg, model).step()
     return grads, {n: p.detach() - before[n] for n, p in model.named_parameters()}
+
+
+def trl_replay(cfg, batches) -> dict[str, torch.Tensor]:
+    """The weights after TRL's loss and step on each of `batches` in turn, one optimizer throughout."""
+    model, _ = load_causal_lm(cfg.model.path)
+    model.train()
+    optimizer = trl_optimizer(cfg, model)
+    for batch in batches:
+        optimizer.zero_grad(set_to_none=True)
+        trl_loss_backward(cfg, model, batch)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.actor.grad_clip)
+        optimizer.step()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def replay_report(cfg, run: Path, iterations: int) -> dict:
+    """The run's own final weights against TRL's loss and step replayed over all its batches."""
+    if not (run / "model").is_dir():
+        raise SystemExit(f"step_gradient --replay: {run} has no model/ (the final weights of a finished run)")
+    batches = [read_iteration(iteration_path(run / "experience", it)) for it in range(iterations)]
+    start = {n: p.detach() for n, p in load_causal_lm(cfg.model.path)[0].named_parameters()}
+    ours = {n: p.detach() for n, p in load_causal_lm(run / "model")[0].named_parameters()}
+    theirs = trl_replay(cfg, batches)
+    run_change, trl_change = ({n: w[n] - start[n] for n in start} for w in (ours, theirs))
+    difference = norm({n: ours[n] - theirs[n] for n in ours})
+    dot = sum(float((run_change[n].double() * trl_change[n].double()).sum()) for n in start)
+    return {"replayed_updates": iterations, "change_norm_run": round(norm(run_change), 6),
+            "change_norm_trl_replay": round(norm(trl_change), 6),
+            "difference_norm": float(f"{difference:.3g}"),
+            "difference_over_change": float(f"{difference / norm(run_change):.3g}"),
+            "change_cosine": round(dot / (norm(run_change) * norm(trl_change)), 8)}
 
 
 def norm(t: dict[str, torch.Tensor]) -> float:
@@ -87,11 +136,19 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run", type=Path, help="a finished run's folder (config.yaml, experience/)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--replay", action="store_true",
+                   help="replay every update of the run with TRL's loss and step; compare the final weights")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     cfg = build_config(yaml.safe_load((args.run / "config.yaml").read_text()), [])
     if cfg.actor.lora.rank or cfg.algorithm.kl_coef or cfg.actor.entropy_coef:
         raise SystemExit("step_gradient: compares the plain GRPO loss only (no LoRA, KL or entropy term)")
+    if args.replay:
+        if not (args.run / "summary.json").exists():
+            raise SystemExit(f"step_gradient --replay: {args.run} has no summary.json (not a finished run)")
+        summary = json.loads((args.run / "summary.json").read_text())
+        print(json.dumps({"run": str(args.run), **replay_report(cfg, args.run, summary["iterations"])}))
+        return
     batch = read_iteration(iteration_path(args.run / "experience", 0))
     (grad, ours), (trl_grad, theirs) = sealrl_side(cfg, batch), trl_side(cfg, batch)
     report = {"run": str(args.run), "samples": len(batch), "temperature": cfg.rollout.temperature,

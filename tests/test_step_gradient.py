@@ -32,3 +32,22 @@ def test_the_first_update_is_trls_grpo_loss(tmp_path):
     assert out["max_rel_diff"] < 1e-4 and abs(out["cosine"] - 1.0) < 1e-6
     cfg.rollout.temperature = 1.0   # the check has teeth: the loss at another temperature is another gradient
     assert step.compare(ours, step.trl_side(cfg, batch)[0])["max_rel_diff"] > 1e-2
+
+
+def test_replaying_a_whole_run_with_trls_loss_and_step_gives_its_final_weights(tmp_path):
+    spec = importlib.util.spec_from_file_location("step_gradient", BENCH)
+    step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(step)
+    train(build_config(None, ["run.iterations=3", "eval.num=0", "run.eval_every=0", "rollout.temperature=1.5",
+                              "data.prompts_per_iter=4", "actor.micro_batch_size=16", "run.checkpoint_every=0",
+                              f"run.output_dir={tmp_path}", "run.name=r"]))
+    cfg = build_config(yaml.safe_load((tmp_path / "r" / "config.yaml").read_text()), [])
+    out = step.replay_report(cfg, tmp_path / "r", 3)
+    assert out["change_norm_run"] > 0.0
+    # Each step's gradients agree to fp32 summation order (the test above); AdamW divides by
+    # sqrt(v), which can enlarge a rounding difference on an entry whose gradient is near zero,
+    # but such entries carry a small share of the change: 1e-3 of it allows that with room. A
+    # replay at another temperature takes other steps from the first on (a share of order 0.1).
+    assert out["difference_over_change"] < 1e-3 and out["change_cosine"] > 1 - 1e-6
+    cfg.rollout.temperature = 1.0
+    assert step.replay_report(cfg, tmp_path / "r", 3)["difference_over_change"] > 1e-2
