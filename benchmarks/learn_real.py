@@ -217,20 +217,42 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) -> 
     return solved / len(rows)
 
 
-def run_trl(args) -> dict:
+def trl_trainer(args, callbacks: list):
+    """(GRPOTrainer, tokenizer) of the TRL side's workload at args.seed: the training rows in the
+    order --order gives, the config mirroring sealrl's workload; `callbacks` as given."""
     import pyarrow.parquet as pq
     from datasets import Dataset
-    from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
+    from transformers import AutoTokenizer, PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
     train_rows = pq.read_table(args.data / "train.parquet").to_pylist()
-    eval_rows = pq.read_table(args.data / "test.parquet").to_pylist()[:args.num_eval]
     if args.order == "paired":   # TRL's sampler then keeps this order (shuffle_dataset=False)
         train_rows = sealrl_order(train_rows, args.seed, args.iterations, args.prompts)
     data = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"],
                                "index": r["extra_info"]["index"]} for r in train_rows])
     tokenizer = AutoTokenizer.from_pretrained(args.model_path)
-    trainer = None
+    config = GRPOConfig(
+        output_dir=str(args.workdir / f"trl_seed{args.seed}"), use_cpu=True, bf16=False, fp16=False,
+        gradient_checkpointing=False,   # TRL defaults it to True; sealrl to off
+        per_device_train_batch_size=args.prompts * args.n, gradient_accumulation_steps=1,
+        num_generations=args.n, max_completion_length=args.max_new_tokens, temperature=args.temperature,
+        top_p=1.0, top_k=0, beta=args.kl_coef, learning_rate=args.lr, lr_scheduler_type="constant",
+        warmup_steps=0, optim="adamw_torch", weight_decay=0.0, max_grad_norm=1.0, loss_type="dapo",
+        epsilon=0.2, num_iterations=1, max_steps=args.iterations, logging_steps=1, save_strategy="no",
+        report_to="none", seed=args.seed, dataloader_num_workers=0, disable_tqdm=True, log_completions=False,
+        shuffle_dataset=args.order == "own")
+    trainer = GRPOTrainer(model=str(args.model_path), reward_funcs=reward_rows, args=config, train_dataset=data,
+                          processing_class=tokenizer, callbacks=callbacks)
+    trainer.remove_callback(PrinterCallback)   # no per-step log dicts on stdout
+    return trainer, tokenizer
+
+
+def run_trl(args) -> dict:
+    import pyarrow.parquet as pq
+    from transformers import TrainerCallback
+
+    eval_rows = pq.read_table(args.data / "test.parquet").to_pylist()[:args.num_eval]
+    trainer = tokenizer = None
 
     class Clock(TrainerCallback):
         """Training time per step, then (outside it) the held-out evaluation every K steps."""
@@ -252,20 +274,8 @@ def run_trl(args) -> dict:
             if state.global_step % args.eval_every == 0 and state.global_step < args.iterations:
                 self.evaluate(state.global_step)
 
-    config = GRPOConfig(
-        output_dir=str(args.workdir / f"trl_seed{args.seed}"), use_cpu=True, bf16=False, fp16=False,
-        gradient_checkpointing=False,   # TRL defaults it to True; sealrl to off
-        per_device_train_batch_size=args.prompts * args.n, gradient_accumulation_steps=1,
-        num_generations=args.n, max_completion_length=args.max_new_tokens, temperature=args.temperature,
-        top_p=1.0, top_k=0, beta=args.kl_coef, learning_rate=args.lr, lr_scheduler_type="constant",
-        warmup_steps=0, optim="adamw_torch", weight_decay=0.0, max_grad_norm=1.0, loss_type="dapo",
-        epsilon=0.2, num_iterations=1, max_steps=args.iterations, logging_steps=1, save_strategy="no",
-        report_to="none", seed=args.seed, dataloader_num_workers=0, disable_tqdm=True, log_completions=False,
-        shuffle_dataset=args.order == "own")
     clock = Clock()
-    trainer = GRPOTrainer(model=str(args.model_path), reward_funcs=reward_rows, args=config, train_dataset=data,
-                          processing_class=tokenizer, callbacks=[clock])
-    trainer.remove_callback(PrinterCallback)   # no per-step log dicts on stdout
+    trainer, tokenizer = trl_trainer(args, [clock])
     clock.evaluate(0)
     trainer.train()
     clock.evaluate(len(clock.step_s))

@@ -59,15 +59,24 @@ def sealrl_side(cfg, batch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Te
     return grads, {n: p.detach() - before[n] for n, p in model.named_parameters()}
 
 
-def trl_loss_backward(cfg, model, batch) -> None:
-    """Accumulate the gradient of TRL's dapo loss on `batch` into `model`'s .grad."""
+def batch_rows(cfg, batch) -> tuple[list[tuple], int]:
+    """A sealed batch as `loss_backward` rows (prompt ids, response ids, advantages, loss mask)
+    and its loss-token count."""
     _, mask = loss_mask(batch, cfg.algorithm)
-    adv, tokens, temperature = batch.get("advantages"), int(mask.sum()), cfg.rollout.temperature
-    for i, s in enumerate(batch.samples):
-        p, r = len(s.prompt_ids), len(s.response_ids)
-        logits = model(input_ids=torch.tensor([[*s.prompt_ids, *s.response_ids]])).logits[0, p - 1:p - 1 + r]
-        lp = torch.log_softmax(logits.float() / temperature, -1).gather(-1, torch.tensor(s.response_ids)[:, None])
-        (-(adv[i, :r] * lp.squeeze(-1) * mask[i, :r].float()).sum() / tokens).backward()
+    adv = batch.get("advantages")
+    rows = [(list(s.prompt_ids), list(s.response_ids), adv[i, :len(s.response_ids)],
+             mask[i, :len(s.response_ids)]) for i, s in enumerate(batch.samples)]
+    return rows, int(mask.sum())
+
+
+def loss_backward(model, rows: list[tuple], tokens: int, temperature: float) -> None:
+    """Accumulate the gradient of TRL's dapo loss at ratio 1, -sum A_t log p_t / tokens, into
+    `model`'s .grad: one unpadded sample at a time, log p_t from the logits divided by `temperature`."""
+    for prompt, response, adv, mask in rows:
+        p, r = len(prompt), len(response)
+        logits = model(input_ids=torch.tensor([[*prompt, *response]])).logits[0, p - 1:p - 1 + r]
+        lp = torch.log_softmax(logits.float() / temperature, -1).gather(-1, torch.tensor(response)[:, None])
+        (-(adv * lp.squeeze(-1) * mask.float()).sum() / tokens).backward()
 
 
 def trl_optimizer(cfg, model) -> torch.optim.Optimizer:
@@ -80,24 +89,37 @@ def trl_side(cfg, batch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tenso
     model, _ = load_causal_lm(cfg.model.path)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     model.train()
-    trl_loss_backward(cfg, model, batch)
+    loss_backward(model, *batch_rows(cfg, batch), cfg.rollout.temperature)
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.actor.grad_clip)
     trl_optimizer(cfg, model).step()
     return grads, {n: p.detach() - before[n] for n, p in model.named_parameters()}
 
 
-def trl_replay(cfg, batches) -> dict[str, torch.Tensor]:
-    """The weights after TRL's loss and step on each of `batches` in turn, one optimizer throughout."""
+def trl_replay(cfg, steps: list[tuple[list[tuple], int]]) -> dict[str, torch.Tensor]:
+    """The weights after TRL's loss and step on each step's (rows, tokens) in turn, from the
+    initial model (cfg.model.path), one optimizer throughout."""
     model, _ = load_causal_lm(cfg.model.path)
     model.train()
     optimizer = trl_optimizer(cfg, model)
-    for batch in batches:
+    for rows, tokens in steps:
         optimizer.zero_grad(set_to_none=True)
-        trl_loss_backward(cfg, model, batch)
+        loss_backward(model, rows, tokens, cfg.rollout.temperature)
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.actor.grad_clip)
         optimizer.step()
     return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def compare_changes(start, ours, theirs) -> dict:
+    """Trained and replayed final weights from the same `start`: each change's norm, the norm of their
+    difference, that over our change, and the cosine of the two changes."""
+    ours_change, theirs_change = ({n: w[n] - start[n] for n in start} for w in (ours, theirs))
+    difference = norm({n: ours[n] - theirs[n] for n in start})
+    dot = sum(float((ours_change[n].double() * theirs_change[n].double()).sum()) for n in start)
+    return {"change_norm_trained": round(norm(ours_change), 6), "change_norm_replayed": round(norm(theirs_change), 6),
+            "difference_norm": float(f"{difference:.3g}"),
+            "difference_over_change": float(f"{difference / norm(ours_change):.3g}"),
+            "change_cosine": round(dot / (norm(ours_change) * norm(theirs_change)), 8)}
 
 
 def replay_report(cfg, run: Path, iterations: int) -> dict:
@@ -107,15 +129,8 @@ def replay_report(cfg, run: Path, iterations: int) -> dict:
     batches = [read_iteration(iteration_path(run / "experience", it)) for it in range(iterations)]
     start = {n: p.detach() for n, p in load_causal_lm(cfg.model.path)[0].named_parameters()}
     ours = {n: p.detach() for n, p in load_causal_lm(run / "model")[0].named_parameters()}
-    theirs = trl_replay(cfg, batches)
-    run_change, trl_change = ({n: w[n] - start[n] for n in start} for w in (ours, theirs))
-    difference = norm({n: ours[n] - theirs[n] for n in ours})
-    dot = sum(float((run_change[n].double() * trl_change[n].double()).sum()) for n in start)
-    return {"replayed_updates": iterations, "change_norm_run": round(norm(run_change), 6),
-            "change_norm_trl_replay": round(norm(trl_change), 6),
-            "difference_norm": float(f"{difference:.3g}"),
-            "difference_over_change": float(f"{difference / norm(run_change):.3g}"),
-            "change_cosine": round(dot / (norm(run_change) * norm(trl_change)), 8)}
+    theirs = trl_replay(cfg, [batch_rows(cfg, b) for b in batches])
+    return {"replayed_updates": iterations, **compare_changes(start, ours, theirs)}
 
 
 def norm(t: dict[str, torch.Tensor]) -> float:

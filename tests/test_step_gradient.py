@@ -43,7 +43,7 @@ def test_replaying_a_whole_run_with_trls_loss_and_step_gives_its_final_weights(t
                               f"run.output_dir={tmp_path}", "run.name=r"]))
     cfg = build_config(yaml.safe_load((tmp_path / "r" / "config.yaml").read_text()), [])
     out = step.replay_report(cfg, tmp_path / "r", 3)
-    assert out["change_norm_run"] > 0.0
+    assert out["change_norm_trained"] > 0.0
     # Each step's gradients agree to fp32 summation order (the test above); AdamW divides by
     # sqrt(v), which can enlarge a rounding difference on an entry whose gradient is near zero,
     # but such entries carry a small share of the change: 1e-3 of it allows that with room. A

@@ -1,0 +1,93 @@
+"""Does TRL's GRPOTrainer itself take, step after step, the update step_gradient.py writes out
+(the one sealrl's runs replay to, `step_gradient.py RUN --replay`)?
+
+Runs the TRL side of benchmarks/learn_real.py (its workload, config and prompt order at --seed)
+for --steps steps, keeping every batch the trainer built (its prompt and completion ids and
+masks, and its advantages: the output of `_generate_and_score_completions`) and its final
+weights. Then, from the initial model, it replays those batches with step_gradient's loss
+(TRL's dapo loss at ratio 1, one unpadded sample at a time) and torch's AdamW after
+clip_grad_norm_, and compares the two final weights as `--replay` does. With
+step_gradient's `--replay` on a sealrl run this closes the loop: both trainers take that
+update from whatever they sampled.
+
+    .venv/bin/python benchmarks/trl_replay.py --steps 10
+
+The last line printed is JSON (the same keys as `step_gradient.py --replay`, plus TRL's
+per-step entropy and reward).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import learn_real  # noqa: E402
+import step_gradient  # noqa: E402
+
+from sealrl.config import build_config  # noqa: E402
+
+KEPT = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=10, help="TRL optimizer steps (learn_real's --iterations)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--data", type=Path, default=Path("examples/learn_real/data"))
+    p.add_argument("--model-path", type=Path, default=Path("models/smollm2-135m-instruct"))
+    return p.parse_args(argv)
+
+
+def batch_rows(kept: dict[str, torch.Tensor]) -> tuple[list[tuple], int]:
+    """One TRL batch as step_gradient rows: each prompt without its left padding, each completion
+    up to its mask's end (the eos included), the sample's advantage on every completion token."""
+    rows = []
+    for pid, pm, cid, cm, adv in zip(*(kept[k] for k in KEPT)):
+        n = int(cm.sum())
+        if not bool(cm[:n].all()):
+            raise SystemExit("trl_replay: a completion mask with a hole; this replay assumes a prefix")
+        rows.append((pid[pm.bool()].tolist(), cid[:n].tolist(), adv.expand(n), torch.ones(n)))
+    return rows, int(kept["completion_mask"].sum())
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    workdir = Path(tempfile.mkdtemp(prefix="trl_replay_"))
+    side = learn_real.parse_args(["--iterations", str(args.steps), "--seed", str(args.seed),
+                                  "--model-path", str(args.model_path.resolve())])
+    side.data, side.workdir = args.data.resolve(), workdir
+    trainer, _ = learn_real.trl_trainer(side, [])
+    start = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    batches: list[dict[str, torch.Tensor]] = []
+    generate = trainer._generate_and_score_completions
+
+    def keep(*a, **k):   # every batch the trainer trains on, as it built it
+        out = generate(*a, **k)
+        batches.append({name: out[name].detach().clone() for name in KEPT})
+        return out
+
+    trainer._generate_and_score_completions = keep
+    trainer.train()
+    if len(batches) != args.steps:
+        raise SystemExit(f"trl_replay: TRL built {len(batches)} batches for {args.steps} steps "
+                         "(one generation per step expected)")
+    trained = {n: p.detach() for n, p in trainer.model.named_parameters()}
+    cfg = build_config(None, [f"model.path={args.model_path.resolve()}", f"actor.lr={side.lr}",
+                              f"rollout.temperature={side.temperature}"])
+    replayed = step_gradient.trl_replay(cfg, [batch_rows(b) for b in batches])
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    report = {"seed": args.seed, "steps": args.steps, **step_gradient.compare_changes(start, trained, replayed),
+              "entropy": [round(h["entropy"], 4) for h in logs], "reward_mean": [round(h["reward"], 4) for h in logs]}
+    print(json.dumps(report), flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()
