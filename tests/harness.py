@@ -31,6 +31,26 @@ def small_run(out: Path, name: str, *overrides: str) -> tuple[dict, Path]:
     return summary, Path(out) / name
 
 
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module (the benchmarks folder is not a package)."""
+    import importlib.util
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def embedded_run(out: Path, *overrides: str) -> Path:
+    """The folder of a run of the embedded model's defaults with `overrides` (no evaluation, a
+    checkpoint at the end only), trained into out/r."""
+    from sealrl.config import build_config
+    from sealrl.trainer.driver import train
+    train(build_config(None, ["eval.num=0", "run.eval_every=0", "run.checkpoint_every=0", *overrides,
+                              f"run.output_dir={out}", "run.name=r"]))
+    return Path(out) / "r"
+
+
 # ---- one local Ray for the Ray tests of a process ----------------------------------------------
 _LOCAL_RAY = {"up": False}
 

@@ -1,24 +1,16 @@
 """benchmarks/learn_real_reward.py (the real-model learning benchmark's reward) and the data set
 of benchmarks/learn_real_data.py: unit tests, fast, no model."""
-import importlib.util
 import json
 import re
 from pathlib import Path
 
 import pytest
 
+from tests.harness import load_benchmark
+
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-reward = _load("learn_real_reward")
-data = _load("learn_real_data")
+reward = load_benchmark("learn_real_reward")
+data = load_benchmark("learn_real_data")
 
 
 def score(response, truth="7"):
@@ -98,7 +90,7 @@ def test_rows_are_verl_layout():
 def test_the_example_config_is_the_benchmarks_sealrl_side():
     """examples/smollm2_learn.yaml is learn_real.py's workload at its default arguments."""
     from sealrl.config import load_config
-    args = _load("learn_real").parse_args([])
+    args = load_benchmark("learn_real").parse_args([])
     cfg = load_config(str(BENCH.parent / "examples" / "smollm2_learn.yaml"))
     assert (cfg.data.prompts_per_iter, cfg.rollout.n, cfg.rollout.max_new_tokens) == (args.prompts, args.n,
                                                                                        args.max_new_tokens)
@@ -119,7 +111,7 @@ def test_committed_data_is_the_generators():
 def test_the_plot_draws_each_sides_mean_and_every_seeds_points(tmp_path):
     """benchmarks/plot_learn_real.py: one line per side (the mean over seeds), one point per
     seed and evaluation, x in steps (samples / (prompts x n)), from the log's last JSON line."""
-    plot = _load("plot_learn_real")
+    plot = load_benchmark("plot_learn_real")
     seeds = [{"seed": s, "curve": [[0, 0.2], [320, 0.25 + s / 100], [640, 0.3]]} for s in (0, 1, 2)]
     report = {"args": {"prompts": 4, "n": 8},
               "sealrl": {"seeds": seeds, "mean": {"curve": [[0, 0.2], [320, 0.26], [640, 0.3]]}},
@@ -135,7 +127,7 @@ def test_the_plot_draws_each_sides_mean_and_every_seeds_points(tmp_path):
 
 def _run_log(tmp_path, name: str, seeds: dict[str, list[tuple[int, float]]], **args) -> Path:
     """A learn_real.py log whose report holds, per side, (seed, accuracy after) of 30 steps."""
-    lr = _load("learn_real")
+    lr = load_benchmark("learn_real")
     report = {"args": {"seeds": ",".join(str(s) for s, _ in next(iter(seeds.values()))), "iterations": 30,
                        "prompts": 4, "n": 8, "lr": 2e-5, "skip": None, **args}}
     results = {side: [{"seed": s, "curve": [[0, 0.2], [960, after]], "before": 0.2, "after": after,
@@ -148,7 +140,7 @@ def _run_log(tmp_path, name: str, seeds: dict[str, list[tuple[int, float]]], **a
 
 def test_merge_pools_the_seeds_of_several_runs(tmp_path):
     """learn_real.py --merge: every seed of both runs per side, the means over all of them."""
-    lr = _load("learn_real")
+    lr = load_benchmark("learn_real")
     a = _run_log(tmp_path, "a.log", {"sealrl": [(0, 0.3), (1, 0.4)], "trl": [(0, 0.35), (1, 0.25)]})
     b = _run_log(tmp_path, "b.log", {"sealrl": [(3, 0.5)], "trl": [(3, 0.2)]})
     merged = lr.merge([a, b])
@@ -160,7 +152,7 @@ def test_merge_pools_the_seeds_of_several_runs(tmp_path):
 
 
 def test_merge_refuses_another_workload_or_a_repeated_seed(tmp_path):
-    lr = _load("learn_real")
+    lr = load_benchmark("learn_real")
     a = _run_log(tmp_path, "a.log", {"sealrl": [(0, 0.3)], "trl": [(0, 0.3)]})
     other = _run_log(tmp_path, "b.log", {"sealrl": [(1, 0.3)], "trl": [(1, 0.3)]}, lr=1e-5)
     with pytest.raises(SystemExit, match=r"b\.log ran another workload than the first log that names one \(lr\)"):
@@ -177,7 +169,7 @@ def test_merge_refuses_another_workload_or_a_repeated_seed(tmp_path):
 def test_merge_reads_the_finished_seeds_of_a_stopped_run(tmp_path):
     """A run stopped before its report leaves its finished seeds on stderr: --merge takes them,
     checks its workload when the stderr names it, and lists it as unchecked when it does not."""
-    lr = _load("learn_real")
+    lr = load_benchmark("learn_real")
     a = _run_log(tmp_path, "a.log", {"sealrl": [(0, 0.3)], "trl": [(0, 0.3)]})
     args = lr.final_report(a)["args"]
     seed = {"seed": 5, "curve": [[0, 0.2], [960, 0.5]], "before": 0.2, "after": 0.5, "gain_points": 30.0,
@@ -201,7 +193,7 @@ def test_the_paired_order_is_the_one_sealrls_sampler_takes():
     """--order paired hands TRL's trainer (shuffle off) the rows in the order sealrl's own sampler
     yields them for the run seed, across an epoch boundary too."""
     from sealrl.data.sampler import PromptSampler
-    lr = _load("learn_real")
+    lr = load_benchmark("learn_real")
     rows = [{"row": i} for i in range(10)]
     for seed in (0, 3):
         sampler = PromptSampler(len(rows), 5, seed=seed, shuffle=True)
@@ -217,7 +209,7 @@ def test_the_paired_order_is_the_one_sealrls_sampler_takes():
 def test_the_report_pairs_the_seeds_both_sides_ran(tmp_path):
     """Per seed both sides ran: sealrl's final accuracy minus TRL's, their mean and standard error,
     and whether both sides logged the same prompts at every step (a side that logged none: False)."""
-    lr = _load("learn_real")
+    lr = load_benchmark("learn_real")
     same = [[1, 2], [3, 4]]
     sealrl = [{"seed": 0, "after": 0.30, "prompts": same}, {"seed": 1, "after": 0.40, "prompts": same},
               {"seed": 2, "after": 0.50, "prompts": same}, {"seed": 7, "after": 0.9}]
@@ -232,7 +224,7 @@ def test_the_report_pairs_the_seeds_both_sides_ran(tmp_path):
 
 
 def test_each_side_reports_its_per_step_diagnostics_under_one_name():
-    lr = _load("learn_real")
+    lr = load_benchmark("learn_real")
     rows = [{"actor/grad_norm": 1.23456, "actor/entropy": 0.5, "rollout/response_len_mean": 40.0},
             {"actor/grad_norm": 2.0, "actor/entropy": 0.25, "rollout/response_len_mean": 20.0}, {"eval/accuracy": 0.3}]
     assert lr.per_step(rows, lr.SEALRL_STEP_KEYS) == {"grad_norm": [1.2346, 2.0], "entropy": [0.5, 0.25],

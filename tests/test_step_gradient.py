@@ -1,27 +1,24 @@
 """benchmarks/step_gradient.py: sealrl's GRPO update step has the gradient of TRL's GRPO loss
 (loss_type="dapo", one iteration) written out on the plain Hugging Face model, on a run's sealed
-first batch: the embedded model, the fast path, several micro-batches, a temperature other than 1."""
-import importlib.util
-from pathlib import Path
-
+first batch; and replaying every batch of a run with that loss and torch's AdamW ends at the run's
+weights. The embedded model, the fast path, several micro-batches, a temperature other than 1."""
 import yaml
 
 from sealrl.config import build_config
 from sealrl.experience.store import iteration_path, read_iteration
-from sealrl.trainer.driver import train
+from tests.harness import embedded_run, load_benchmark
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "step_gradient.py"
+step = load_benchmark("step_gradient")
+WORKLOAD = ("rollout.temperature=1.5", "actor.micro_batch_size=16")
+
+
+def _config(run):
+    return build_config(yaml.safe_load((run / "config.yaml").read_text()), [])
 
 
 def test_the_first_update_is_trls_grpo_loss(tmp_path):
-    spec = importlib.util.spec_from_file_location("step_gradient", BENCH)
-    step = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(step)
-    train(build_config(None, ["run.iterations=1", "eval.num=0", "run.eval_every=0", "rollout.temperature=1.5",
-                              "data.prompts_per_iter=16", "actor.micro_batch_size=16", "run.checkpoint_every=0",
-                              f"run.output_dir={tmp_path}", "run.name=r"]))
-    cfg = build_config(yaml.safe_load((tmp_path / "r" / "config.yaml").read_text()), [])
-    batch = read_iteration(iteration_path(tmp_path / "r" / "experience", 0))
+    run = embedded_run(tmp_path, "run.iterations=1", "data.prompts_per_iter=16", *WORKLOAD)
+    cfg, batch = _config(run), read_iteration(iteration_path(run / "experience", 0))
     ours = step.sealrl_side(cfg, batch)[0]
     out = step.compare(ours, step.trl_side(cfg, batch)[0])
     assert out["grad_norm_sealrl"] > 0.0
@@ -35,14 +32,9 @@ def test_the_first_update_is_trls_grpo_loss(tmp_path):
 
 
 def test_replaying_a_whole_run_with_trls_loss_and_step_gives_its_final_weights(tmp_path):
-    spec = importlib.util.spec_from_file_location("step_gradient", BENCH)
-    step = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(step)
-    train(build_config(None, ["run.iterations=3", "eval.num=0", "run.eval_every=0", "rollout.temperature=1.5",
-                              "data.prompts_per_iter=4", "actor.micro_batch_size=16", "run.checkpoint_every=0",
-                              f"run.output_dir={tmp_path}", "run.name=r"]))
-    cfg = build_config(yaml.safe_load((tmp_path / "r" / "config.yaml").read_text()), [])
-    out = step.replay_report(cfg, tmp_path / "r", 3)
+    run = embedded_run(tmp_path, "run.iterations=3", "data.prompts_per_iter=4", *WORKLOAD)
+    cfg = _config(run)
+    out = step.replay_report(cfg, run, 3)
     assert out["change_norm_trained"] > 0.0
     # Each step's gradients agree to fp32 summation order (the test above); AdamW divides by
     # sqrt(v), which can enlarge a rounding difference on an entry whose gradient is near zero,
@@ -50,4 +42,4 @@ def test_replaying_a_whole_run_with_trls_loss_and_step_gives_its_final_weights(t
     # replay at another temperature takes other steps from the first on (a share of order 0.1).
     assert out["difference_over_change"] < 1e-3 and out["change_cosine"] > 1 - 1e-6
     cfg.rollout.temperature = 1.0
-    assert step.replay_report(cfg, tmp_path / "r", 3)["difference_over_change"] > 1e-2
+    assert step.replay_report(cfg, run, 3)["difference_over_change"] > 1e-2
