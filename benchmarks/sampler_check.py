@@ -17,8 +17,9 @@ prompt + response, log_softmax(logits / T). Per side it reports:
   flatter distribution than p (a wrong temperature, a truncation, a biased draw) moves it.
 - `pit_ks`: the Kolmogorov-Smirnov distance of the randomised probability integral transform of
   every sampled token (F(x-1) + V p(x), V uniform) from the uniform, with its p-value.
-- response length, the fraction ended by eos, the mean reward (benchmarks/learn_real_reward.py),
-  the mean entropy per token.
+- response length, the fraction ended by eos, the mean entropy per token, and the mean reward:
+  sealrl's as its run recorded it, generate's by benchmarks/learn_real_reward.py (the reward of
+  examples/smollm2_learn.yaml; a run with another reward compares this column across scorers).
 - sealrl only: the largest |recorded behaviour log-prob - the judge's| (the sampler's own record).
 The last line printed is JSON.
 """
@@ -150,8 +151,7 @@ def main(argv=None) -> dict:
     n = len(by_prompt[next(iter(by_prompt))])
     gen = torch.Generator().manual_seed(args.seed)
     report = {"experience": str(args.experience), "temperature": temperature, "judge_temperature": judged_at,
-              "max_new_tokens": max_new,
-              "prompts": len(prompts), "samples_per_prompt": n}
+              "max_new_tokens": max_new, "prompts": len(prompts), "samples_per_prompt": n}
 
     # sealrl's samples, judged; and the sampler's own log-probs against the judge's
     s_scored, s_resps, s_rewards, worst = [], [], [], 0.0
