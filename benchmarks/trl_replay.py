@@ -12,8 +12,14 @@ update from whatever they sampled.
 
     .venv/bin/python benchmarks/trl_replay.py --steps 10
 
+Each batch is also judged as benchmarks/sampler_check.py judges samples, under the weights the
+trainer holds when it built the batch (the weights that sampled it, if TRL samples on policy): per
+response the sum of surprisal minus entropy, which has mean 0 when the tokens were drawn from
+softmax(logits / T) of those weights (`on_policy`: its mean, standard error and z over every
+response), and the judge's token-mean entropy per step beside the entropy TRL logged.
+
 The last line printed is JSON (the same keys as `step_gradient.py --replay`, plus TRL's
-per-step entropy and reward).
+per-step entropy and reward and `on_policy`).
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import learn_real  # noqa: E402
+import sampler_check  # noqa: E402
 import step_gradient  # noqa: E402
 
 from sealrl.config import build_config  # noqa: E402
@@ -68,9 +75,18 @@ def main(argv=None) -> dict:
     batches: list[dict[str, torch.Tensor]] = []
     generate = trainer._generate_and_score_completions
 
-    def keep(*a, **k):   # every batch the trainer trains on, as it built it
+    judged: list[float] = []   # per response: the sum over its tokens of surprisal - entropy
+    step_entropy: list[float] = []
+    gen = torch.Generator().manual_seed(args.seed)
+
+    def keep(*a, **k):   # every batch the trainer trains on, as it built it, judged by its sampling weights
         out = generate(*a, **k)
         batches.append({name: out[name].detach().clone() for name in KEPT})
+        with torch.no_grad():
+            scored = [(sampler_check.judge(trainer.model, p, [r], side.temperature, gen)[0], len(r))
+                      for p, r, _, _ in batch_rows(batches[-1])[0]]
+        judged.extend(float((-s["log_probs"] - s["entropy"]).sum()) for s, _ in scored)
+        step_entropy.append(sum(float(s["entropy"].sum()) for s, _ in scored) / sum(n for _, n in scored))
         return out
 
     trainer._generate_and_score_completions = keep
@@ -83,7 +99,12 @@ def main(argv=None) -> dict:
                               f"rollout.temperature={side.temperature}"])
     replayed = step_gradient.trl_replay(cfg, [batch_rows(b) for b in batches])
     logs = [h for h in trainer.state.log_history if "reward" in h]
+    d = torch.tensor(judged, dtype=torch.float64)
+    se = float(d.std() / len(d) ** 0.5)
     report = {"seed": args.seed, "steps": args.steps, **step_gradient.compare_changes(start, trained, replayed),
+              "on_policy": {"responses": len(d), "mean_per_response": round(float(d.mean()), 4),
+                            "se": round(se, 4), "z": round(float(d.mean()) / se, 2)},
+              "judged_entropy": [round(x, 4) for x in step_entropy],
               "entropy": [round(h["entropy"], 4) for h in logs], "reward_mean": [round(h["reward"], 4) for h in logs]}
     print(json.dumps(report), flush=True)
     return report
