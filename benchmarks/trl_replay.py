@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -98,6 +99,7 @@ def main(argv=None) -> dict:
     cfg = build_config(None, [f"model.path={args.model_path.resolve()}", f"actor.lr={side.lr}",
                               f"rollout.temperature={side.temperature}"])
     replayed = step_gradient.trl_replay(cfg, [batch_rows(b) for b in batches])
+    shutil.rmtree(workdir, ignore_errors=True)   # TRL's output_dir (save_strategy="no": nothing kept)
     logs = [h for h in trainer.state.log_history if "reward" in h]
     d = torch.tensor(judged, dtype=torch.float64)
     se = float(d.std() / len(d) ** 0.5)
