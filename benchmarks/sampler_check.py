@@ -111,20 +111,24 @@ def ks_uniform(u: np.ndarray) -> tuple[float, float]:
     return d, min(1.0, max(0.0, p))
 
 
+def mean_z(d: np.ndarray) -> dict:
+    """The mean of per-response sums of surprisal - entropy, its standard error and z (mean / se)."""
+    se = float(d.std(ddof=1) / math.sqrt(len(d)))
+    return {"mean_per_response": round(float(d.mean()), 4), "se": round(se, 4), "z": round(float(d.mean()) / se, 2)}
+
+
 def side_stats(scored: list[dict], responses: list[list[int]], rewards: list[float], eos: int) -> dict:
     d = np.array([float((-s["log_probs"] - s["entropy"]).sum()) for s in scored])
     pit = torch.cat([s["pit"] for s in scored]).numpy()
     ks_stat, ks_p = ks_uniform(pit)
     tokens = sum(len(r) for r in responses)
-    se = float(d.std(ddof=1) / math.sqrt(len(d)))
     return {
         "responses": len(responses), "tokens": tokens,
         "mean_length": round(tokens / len(responses), 2),
         "eos_fraction": round(sum(r[-1] == eos for r in responses) / len(responses), 4),
         "reward_mean": round(float(np.mean(rewards)), 4),
         "entropy_per_token": round(float(torch.cat([s["entropy"] for s in scored]).mean()), 4),
-        "surprisal_minus_entropy": {"mean_per_response": round(float(d.mean()), 4), "se": round(se, 4),
-                                    "z": round(float(d.mean()) / se, 2)},
+        "surprisal_minus_entropy": mean_z(d),
         "pit_ks": {"statistic": round(ks_stat, 5), "p_value": round(ks_p, 4)},
     }
 

@@ -30,6 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -73,7 +74,7 @@ def main(argv=None) -> dict:
     side.data, side.workdir = args.data.resolve(), workdir
     trainer, _ = learn_real.trl_trainer(side, [])
     start = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    batches: list[dict[str, torch.Tensor]] = []
+    steps: list[tuple[list[tuple], int]] = []   # each batch the trainer trained on, as replay rows
     generate = trainer._generate_and_score_completions
 
     judged: list[float] = []   # per response: the sum over its tokens of surprisal - entropy
@@ -82,30 +83,26 @@ def main(argv=None) -> dict:
 
     def keep(*a, **k):   # every batch the trainer trains on, as it built it, judged by its sampling weights
         out = generate(*a, **k)
-        batches.append({name: out[name].detach().clone() for name in KEPT})
-        with torch.no_grad():
-            scored = [(sampler_check.judge(trainer.model, p, [r], side.temperature, gen)[0], len(r))
-                      for p, r, _, _ in batch_rows(batches[-1])[0]]
+        steps.append(batch_rows({name: out[name].detach().clone() for name in KEPT}))
+        scored = [(sampler_check.judge(trainer.model, p, [r], side.temperature, gen)[0], len(r))
+                  for p, r, _, _ in steps[-1][0]]
         judged.extend(float((-s["log_probs"] - s["entropy"]).sum()) for s, _ in scored)
         step_entropy.append(sum(float(s["entropy"].sum()) for s, _ in scored) / sum(n for _, n in scored))
         return out
 
     trainer._generate_and_score_completions = keep
     trainer.train()
-    if len(batches) != args.steps:
-        raise SystemExit(f"trl_replay: TRL built {len(batches)} batches for {args.steps} steps "
+    if len(steps) != args.steps:
+        raise SystemExit(f"trl_replay: TRL built {len(steps)} batches for {args.steps} steps "
                          "(one generation per step expected)")
     trained = {n: p.detach() for n, p in trainer.model.named_parameters()}
     cfg = build_config(None, [f"model.path={args.model_path.resolve()}", f"actor.lr={side.lr}",
                               f"rollout.temperature={side.temperature}"])
-    replayed = step_gradient.trl_replay(cfg, [batch_rows(b) for b in batches])
+    replayed = step_gradient.trl_replay(cfg, steps)
     shutil.rmtree(workdir, ignore_errors=True)   # TRL's output_dir (save_strategy="no": nothing kept)
     logs = [h for h in trainer.state.log_history if "reward" in h]
-    d = torch.tensor(judged, dtype=torch.float64)
-    se = float(d.std() / len(d) ** 0.5)
     report = {"seed": args.seed, "steps": args.steps, **step_gradient.compare_changes(start, trained, replayed),
-              "on_policy": {"responses": len(d), "mean_per_response": round(float(d.mean()), 4),
-                            "se": round(se, 4), "z": round(float(d.mean()) / se, 2)},
+              "on_policy": {"responses": len(judged), **sampler_check.mean_z(np.array(judged))},
               "judged_entropy": [round(x, 4) for x in step_entropy],
               "entropy": [round(h["entropy"], 4) for h in logs], "reward_mean": [round(h["reward"], 4) for h in logs]}
     print(json.dumps(report), flush=True)
