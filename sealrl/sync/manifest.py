@@ -62,16 +62,25 @@ def tensor_entry(tensor: torch.Tensor) -> TensorEntry:
 PARALLEL_BYTES = 16 * 2 ** 20   # below this, one thread: starting the pool costs more than it saves
 
 
+def view_key(t: torch.Tensor) -> tuple:
+    """Two tensors with equal keys are views of the same bytes (tied embeddings)."""
+    return t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.storage_offset()
+
+
 def checksums(tensors: list[torch.Tensor]) -> list[str]:
-    """tensor_sha256 of each, in order. hashlib releases the GIL on large buffers, so a large set
-    (a model's weights at every sync) is hashed on all the CPUs this process may use: the same
-    digests, in about 1/CPUs of the time."""
-    workers = min(len(tensors), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+    """tensor_sha256 of each, in order; an alias (a tied LM head) is hashed once. hashlib
+    releases the GIL on large buffers, so a large set (a model's weights at every sync) is
+    hashed on all the CPUs this process may use: the same digests, in about 1/CPUs of the time."""
+    unique = list({view_key(t): t for t in tensors}.items())
+    workers = min(len(unique), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                   else os.cpu_count() or 1, 8)
-    if workers < 2 or sum(t.numel() * t.element_size() for t in tensors) < PARALLEL_BYTES:
-        return [tensor_sha256(t) for t in tensors]
-    with ThreadPoolExecutor(workers, thread_name_prefix="sealrl-sha256") as pool:
-        return list(pool.map(tensor_sha256, tensors))
+    if workers < 2 or sum(t.numel() * t.element_size() for _, t in unique) < PARALLEL_BYTES:
+        digests = [tensor_sha256(t) for _, t in unique]
+    else:
+        with ThreadPoolExecutor(workers, thread_name_prefix="sealrl-sha256") as pool:
+            digests = list(pool.map(tensor_sha256, [t for _, t in unique]))
+    by_key = {key: d for (key, _), d in zip(unique, digests)}
+    return [by_key[view_key(t)] for t in tensors]
 
 
 def entries_digest(entries: Mapping[str, TensorEntry]) -> str:

@@ -25,7 +25,7 @@ from torch import Tensor
 from sealrl.experience.ids import PolicyVersion
 from sealrl.experience.wire import VersionNotHeldError
 from sealrl.sync.adapter import AdapterManifest, merge_adapter, verify_adapter
-from sealrl.sync.manifest import WeightManifest, WeightSyncError, verify_weights
+from sealrl.sync.manifest import WeightManifest, WeightSyncError, verify_weights, view_key
 
 Held = TypeVar("Held")
 
@@ -112,7 +112,7 @@ def private_copy(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
     staged, copies = {}, {}
     for name, t in state_dict.items():
         t = t.detach()
-        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
+        key = view_key(t)
         if key not in copies:
             copies[key] = t.to("cpu", copy=True)
         staged[name] = copies[key]
