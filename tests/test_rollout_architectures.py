@@ -122,3 +122,19 @@ def test_lean_prefill_logits_equal_the_hf_forward():
         logits, _ = lean.prefill(ids, positions, valid, max_len=8)
         reference = model(input_ids=ids, attention_mask=valid.long(), position_ids=positions).logits
     assert (logits - reference[:, -1]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stacked_weights_equal_cat_fold_transpose(dtype):
+    """The lean backend writes each stacked weight straight into its transposed slot: bit for
+    bit what concatenating, folding the norm in and transposing gives, biases and shapes of
+    q/k/v (GQA: k and v smaller) and gate/up, with and without a norm."""
+    from sealrl.rollout.lean import _stack_t
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(rows, 48, generator=g).to(dtype) for rows in (48, 16, 16))
+    norm = (1 + torch.randn(48, generator=g)).to(dtype)
+    assert torch.equal(_stack_t(q, k, v, norm=norm), (torch.cat([q, k, v]) * norm[None, :]).t().contiguous())
+    assert torch.equal(_stack_t(q), q.t().contiguous())
+    out = _stack_t(q, k, norm=norm.float())   # a norm in another dtype promotes, as `*` does
+    assert out.dtype == torch.float32 and out.is_contiguous()
+    assert torch.equal(out, (torch.cat([q, k]) * norm.float()[None, :]).t().contiguous())

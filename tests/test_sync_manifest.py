@@ -104,3 +104,23 @@ def test_a_large_set_is_hashed_in_threads_to_the_same_digests_and_names_the_firs
         bad[name][7] += 1.0
     with pytest.raises(WeightSyncError, match=r"tensor .w2.: checksum"):
         verify_weights(bad, m)
+
+
+def test_a_tied_tensor_is_hashed_once_with_the_digest_of_each_name(monkeypatch):
+    """checksums hashes the bytes of an alias (a tied LM head) once and gives that digest to
+    every name; two equal-valued tensors that are not aliases are each hashed."""
+    import sealrl.sync.manifest as manifest
+    sd = state_dict()
+    sd["copy.weight"] = sd["embed.weight"].clone()   # equal values, other bytes
+    hashed = []
+    real = manifest.tensor_sha256
+    monkeypatch.setattr(manifest, "tensor_sha256", lambda t: hashed.append(t.data_ptr()) or real(t))
+    names = sorted(sd)
+    digests = manifest.checksums([sd[n] for n in names])
+    assert digests == [real(sd[n]) for n in names]
+    assert len(hashed) == len(names) - 1   # lm_head.weight shares embed.weight's hash
+    assert hashed.count(sd["embed.weight"].data_ptr()) == 1
+    assert hashed.count(sd["copy.weight"].data_ptr()) == 1
+    # a view of other bytes of the same storage is not an alias
+    whole = torch.arange(8, dtype=torch.float32)
+    assert manifest.checksums([whole[:4], whole[4:]]) == [real(whole[:4]), real(whole[4:])]
