@@ -2,10 +2,10 @@
 
 `generate_by_id`: GENERATING(v) over a pool of rollout replicas. Requests are split by group
 id (sorted, contiguous ranges: experience.split_ids), so the split does not depend on the order
-the driver built them in; results come back per worker and are joined by (sample id, version id)
-(experience.join; the sample id names run and iteration). It consumes requests whose samples
-all belong to version v; it
-waits for every replica's shard (one deadline, WorkerGroup.timeout); a replica that answers
+the driver built them in; each shard keeps that order, so a pool of one replica computes row
+for row what the local rollout does. Results come back per worker and are joined by (sample id,
+version id) (experience.join; the sample id names run and iteration). It consumes requests whose
+samples all belong to version v; it waits for every replica's shard (one deadline, WorkerGroup.timeout); a replica that answers
 with another version, twice for an id, or not at all makes the join fail loudly. A replica
 that is lost (its process died, or it missed the deadline) can be replaced (`replace(k)`:
 a fresh replica synced to v, verified) and its shard sent again, unchanged: same requests,
@@ -50,9 +50,12 @@ def generate_by_id(group: WorkerGroup, requests: list[GenerationRequest], contra
     by_group = {r.group_id: r for r in requests}
     if len(by_group) != len(requests):
         raise ValueError("generate_by_id: one request per group id (merge candidates first)")
-    shards = split_ids(by_group, group.num_workers)
+    shards = [set(ids) for ids in split_ids(by_group, group.num_workers)]
     join = Join("rollout")
-    calls = {k: ([by_group[g] for g in ids], contract, version, *extra) for k, ids in enumerate(shards) if ids}
+    # a shard's requests in the order given: a pool of one then batches its rows as the local
+    # rollout does (on some CPUs a row's float32 log-probs depend on its place in the matmul)
+    calls = {k: ([r for r in requests if r.group_id in ids], contract, version, *extra)
+             for k, ids in enumerate(shards) if ids}
     attempt = dict.fromkeys(calls, 0)   # join attempt of each shard's ids
     for k, (reqs, *_) in calls.items():
         join.ask(_keys(reqs, version), 0)
