@@ -5,8 +5,9 @@ id (sorted, contiguous ranges: experience.split_ids), so the split does not depe
 the driver built them in; each shard keeps that order, so a pool of one replica computes row
 for row what the local rollout does. Results come back per worker and are joined by (sample id,
 version id) (experience.join; the sample id names run and iteration). It consumes requests whose
-samples all belong to version v; it waits for every replica's shard (one deadline, WorkerGroup.timeout); a replica that answers
-with another version, twice for an id, or not at all makes the join fail loudly. A replica
+samples all belong to version v; it waits for every replica's shard (one deadline,
+WorkerGroup.timeout); a replica that answers with another version, twice for an id, or not at
+all makes the join fail loudly. A replica
 that is lost (its process died, or it missed the deadline) can be replaced (`replace(k)`:
 a fresh replica synced to v, verified) and its shard sent again, unchanged: same requests,
 same seeds, same version, a new join attempt, so nothing is duplicated or missing.
