@@ -71,16 +71,17 @@ def checksums(tensors: list[torch.Tensor]) -> list[str]:
     """tensor_sha256 of each, in order; an alias (a tied LM head) is hashed once. hashlib
     releases the GIL on large buffers, so a large set (a model's weights at every sync) is
     hashed on all the CPUs this process may use: the same digests, in about 1/CPUs of the time."""
-    unique = list({view_key(t): t for t in tensors}.items())
+    keys = [view_key(t) for t in tensors]
+    unique = list(dict(zip(keys, tensors)).values())
     workers = min(len(unique), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                   else os.cpu_count() or 1, 8)
-    if workers < 2 or sum(t.numel() * t.element_size() for _, t in unique) < PARALLEL_BYTES:
-        digests = [tensor_sha256(t) for _, t in unique]
+    if workers < 2 or sum(t.numel() * t.element_size() for t in unique) < PARALLEL_BYTES:
+        digests = [tensor_sha256(t) for t in unique]
     else:
         with ThreadPoolExecutor(workers, thread_name_prefix="sealrl-sha256") as pool:
-            digests = list(pool.map(tensor_sha256, [t for _, t in unique]))
-    by_key = {key: d for (key, _), d in zip(unique, digests)}
-    return [by_key[view_key(t)] for t in tensors]
+            digests = list(pool.map(tensor_sha256, unique))
+    by_key = dict(zip(dict.fromkeys(keys), digests))
+    return [by_key[k] for k in keys]
 
 
 def entries_digest(entries: Mapping[str, TensorEntry]) -> str:
