@@ -7,7 +7,8 @@ temperature 1.0 (no top-k/top-p), reward 1/0 exact match of the arithmetic answe
 advantages, PPO-clip 0.2 token-mean loss (TRL's default `dapo`), KL to a frozen reference model
 (k3 in the loss, beta 0.04), one AdamW step per batch at a constant lr 1e-4, grad clip 1.0, fp32,
 no bf16, no gradient checkpointing. TRL runs the whole 128-sample batch in one forward/backward
-(per_device_train_batch_size); sealrl runs its default micro-batch (64 samples: two per step).
+(per_device_train_batch_size); sealrl runs its default micro-batches (the fewest equal runs of
+whole groups of at most 8,192 tokens: one at tiny and smollm2, two of 64 samples at mid).
 
 - sealrl: `train()` with the config below; per-iteration times are `time/iteration_s` of its
   metrics.jsonl (generation, reward, reference, old log-probs, update, weight sync, writing the

@@ -141,6 +141,10 @@ def test_the_fast_path_is_chosen_for_the_model_and_run_exact_is_the_hf_path():
     assert exact == TeacherForcing(micro_batch_size=20)   # the HF reference path: padded, whole head
     gpt2 = teacher_forcing(cfg, GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40)), False)
     assert (gpt2.lean, gpt2.pack, gpt2.chunk) == (False, False, 1024)   # no lean forward: HF padded, chunked head
+    default = build_config(None, []).actor   # micro_batch_size unset: whole groups by tokens; exact: 64 samples
+    assert teacher_forcing(default, qwen2_gqa_tied(), exact=False, group=8).micro_batches([10] * 128) == \
+        [list(range(128))]
+    assert teacher_forcing(default, qwen2_gqa_tied(), exact=True, group=8) == TeacherForcing(micro_batch_size=64)
     memory = teacher_forcing(build_config(None, ["actor.logit_chunk_tokens=256"]).actor, qwen2_gqa_tied(), False)
     assert (memory.chunk, memory.keep_logits) == (256, False)   # an explicit chunk recomputes (less memory)
 

@@ -12,7 +12,14 @@ from sealrl import algos
 from sealrl.config import build_config
 from sealrl.models.critic import CriticModel
 from sealrl.models.logprobs import response_log_probs
-from sealrl.models.packing import TeacherForcing, pack_sequences, packed_log_probs, packed_values, partition_by_tokens
+from sealrl.models.packing import (
+    AUTO_MICRO_TOKENS,
+    TeacherForcing,
+    pack_sequences,
+    packed_log_probs,
+    packed_values,
+    partition_by_tokens,
+)
 from sealrl.models.tiny import build_tiny_model
 from sealrl.roles.actor import Actor
 from sealrl.roles.common import batch_log_probs, teacher_forcing
@@ -60,6 +67,19 @@ def test_partition_by_tokens_hand_cases():
 
 def test_count_micro_batches_are_consecutive():
     assert TeacherForcing(micro_batch_size=2).micro_batches([5, 5, 5, 5, 5]) == [[0, 1], [2, 3], [4]]
+
+
+def test_auto_micro_batches_are_the_fewest_equal_runs_of_whole_groups_within_the_budget():
+    auto = TeacherForcing(micro_batch_size=0, group=8)
+    assert auto.micro_batches([10] * 128) == [list(range(128))]   # the embedded model's step: one pass
+    # vs_trl's mid step: 8,960 tokens > 8,192, so two runs of 8 groups (not 14 groups and 2)
+    assert auto.micro_batches([70] * 128) == [list(range(64)), list(range(64, 128))]
+    # 11,200 tokens: two runs of 3 groups would put 8,800 in the first, so three runs of 2
+    long = [500] * 16 + [100] * 32
+    assert [len(p) for p in auto.micro_batches(long)] == [16, 16, 16]
+    assert max(sum(long[i] for i in p) for p in auto.micro_batches(long)) <= AUTO_MICRO_TOKENS
+    assert auto.micro_batches([9000] * 16) == [list(range(8)), list(range(8, 16))]   # a group over budget: alone
+    assert auto.micro_batches([]) == [] and TeacherForcing(micro_batch_size=0).micro_batches([3, 3]) == [[0, 1]]
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -262,7 +262,8 @@ class ActorConfig:
     min_lr_ratio: float = 0.0              # floor of the decay, as a fraction of lr
     ppo_epochs: int = 1                    # passes over the iteration's experience
     mini_batch_size: int = 0               # samples per optimizer step (0 = the whole batch)
-    micro_batch_size: int = 64             # samples per forward/backward (gradient accumulation)
+    micro_batch_size: int = 0              # samples per forward/backward (gradient accumulation); 0 = whole
+                                           # groups up to 8192 tokens (run.exact: 64 samples); roles/common.py
     grad_clip: float = 1.0                 # max global grad norm (0 = off)
     loss: str = "clip"                     # clip (PPO/GRPO/DAPO) | gspo | pg | sapo | cispo | gmpo | clip_cov | kl_cov
     loss_agg: str = "token-mean"           # one of algos.AGG_MODES (token-mean, seq-mean-token-mean, ...)
@@ -292,7 +293,7 @@ class ActorConfig:
         _check(self.lr_schedule in ("constant", "cosine", "linear"), "actor.lr_schedule",
                "constant | cosine | linear", self.lr_schedule)
         _check(self.ppo_epochs >= 1, "actor.ppo_epochs", ">= 1", self.ppo_epochs)
-        _check(self.micro_batch_size >= 1, "actor.micro_batch_size", ">= 1", self.micro_batch_size)
+        _check(self.micro_batch_size >= 0, "actor.micro_batch_size", ">= 0 (0 = by tokens)", self.micro_batch_size)
         _check(self.mini_batch_size >= 0, "actor.mini_batch_size", ">= 0", self.mini_batch_size)
         _check_one_of(self.loss, "POLICY_LOSSES", "actor.loss")
         _check_one_of(self.loss_agg, "AGG_MODES", "actor.loss_agg")

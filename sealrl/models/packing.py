@@ -245,18 +245,27 @@ def _sharded(model) -> bool:
     return any(hasattr(p, "_local_tensor") for p in model.parameters())
 
 
+# Tokens (prompt + response per sample) of an auto micro-batch. Each pass has a fixed cost in ops
+# that a small model notices (the embedded model's step, 128 samples: 3-9% faster in one
+# micro-batch than in two), while a larger one gained nothing from it (the mid shape's 128 x 70
+# tokens: the same step in one as in two, 850 MiB more; docs/benchmarks.md, "Session 24"). The
+# budget also bounds the memory of long responses (kept logits: tokens x vocabulary x 4 bytes).
+AUTO_MICRO_TOKENS = 8192
+
+
 @dataclass(frozen=True)
 class TeacherForcing:
     """How a role runs its teacher-forced passes: micro-batches by sample count or by a token
     budget, padded or packed, full or chunked logits. The defaults are the original path."""
 
-    micro_batch_size: int = 64   # samples per micro-batch (when max_tokens is 0)
+    micro_batch_size: int = 64   # samples per micro-batch (when max_tokens is 0); 0: auto (`_auto_size`)
     max_tokens: int = 0          # token budget per micro-batch, balanced parts (0 = by count)
     pack: bool = False           # packed rows instead of padded batches
     chunk: int = 0               # LM-head chunk in tokens (0 = full logits)
     keep_logits: bool = False    # chunked: keep the fp32 logits for the backward (no recompute)
     lean: bool = False           # models/lean_forward.py where it covers the model, else the HF forward
     share_prompts: bool = False  # lean: a prompt shared by samples of a micro-batch runs once
+    group: int = 1               # samples of a group (consecutive): an auto micro-batch holds whole groups
 
     def describe(self) -> str:
         """One line for the run's log: the path every teacher-forced pass takes."""
@@ -265,7 +274,8 @@ class TeacherForcing:
         head = (f"LM head {self.chunk} tokens at a time, logits {'kept' if self.keep_logits else 'recomputed'}"
                 if self.chunk else "whole LM head")
         batches = (f"micro-batches of <= {self.max_tokens} tokens" if self.max_tokens else
-                   f"micro-batches of {self.micro_batch_size} samples")
+                   f"micro-batches of {self.micro_batch_size} samples" if self.micro_batch_size else
+                   f"micro-batches of whole groups of {self.group}, the fewest of <= {AUTO_MICRO_TOKENS} tokens")
         return f"{layout}; {head}; {batches}"
 
     def _layout(self, model) -> str:
@@ -283,8 +293,22 @@ class TeacherForcing:
         """Indices into `lengths` (prompt + response tokens per sample), one list per micro-batch."""
         if self.max_tokens:
             return partition_by_tokens(lengths, self.max_tokens)
-        n, size = len(lengths), self.micro_batch_size
+        n, size = len(lengths), self.micro_batch_size or self._auto_size(lengths)
         return [list(range(s, min(n, s + size))) for s in range(0, n, size)]
+
+    def _auto_size(self, lengths: list[int]) -> int:
+        """Samples per micro-batch when micro_batch_size is 0 (the fast path's default): the
+        fewest equal runs of whole groups with at most AUTO_MICRO_TOKENS tokens each (a run of
+        one group may hold more). A function of the lengths only, so data-parallel ranks can
+        count each other's passes (roles/common.pass_counter)."""
+        groups = -(-len(lengths) // self.group)
+        parts = max(1, -(-sum(lengths) // AUTO_MICRO_TOKENS))
+        while True:
+            size = -(-groups // parts) * self.group
+            if parts >= groups or all(sum(lengths[s:s + size]) <= AUTO_MICRO_TOKENS
+                                      for s in range(0, len(lengths), size)):
+                return max(size, 1)
+            parts += 1
 
     def log_probs(self, model, prompts: list[list[int]], responses: list[list[int]], temperature: float,
                   pad_id: int, with_entropy: bool = False) -> tuple[Tensor, Tensor | None, Tensor]:

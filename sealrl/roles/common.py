@@ -18,6 +18,7 @@ from sealrl.roles.distributed import clip_grad_norm, sum_grads
 
 FAST_CHUNK = 1024   # LM-head tokens per chunk on the fast path (faster than the whole head at every
                     # vocabulary measured, 256 to 49,152: docs/benchmarks.md, "Fast by default")
+EXACT_MICRO = 64    # samples per micro-batch on the exact path when actor.micro_batch_size is unset
 
 
 def teacher_forcing(actor_cfg, model=None, exact: bool = True, group: int = 1) -> TeacherForcing:
@@ -27,16 +28,20 @@ def teacher_forcing(actor_cfg, model=None, exact: bool = True, group: int = 1) -
     computes. Otherwise the fast path, chosen once for the model: the lean forward with each
     group's prompt run once where it covers the model (Llama/Qwen2, models/lean_forward.py),
     the LM head FAST_CHUNK tokens at a time with its logits kept for the backward, and
-    micro-batches of whole groups (`group` = rollout.n) when a micro-batch holds more than one.
+    micro-batches of whole groups (`group` = rollout.n) when a micro-batch holds more than one:
+    with actor.micro_batch_size unset (0), the fewest whole groups of at most AUTO_MICRO_TOKENS
+    tokens (models/packing.py; the exact path: EXACT_MICRO samples).
     actor.logit_chunk_tokens > 0 on either path: that chunk, logits recomputed (less memory)."""
     chunk, micro = actor_cfg.logit_chunk_tokens, actor_cfg.micro_batch_size
     if exact or model is None:
-        return TeacherForcing(micro_batch_size=micro, max_tokens=actor_cfg.max_tokens_per_micro_batch, chunk=chunk)
+        return TeacherForcing(micro_batch_size=micro or EXACT_MICRO, max_tokens=actor_cfg.max_tokens_per_micro_batch,
+                              chunk=chunk)
     lean = unsupported_reason(model) is None
     if micro > group > 1 and micro % group:
         micro -= micro % group
     return TeacherForcing(micro_batch_size=micro, max_tokens=actor_cfg.max_tokens_per_micro_batch, pack=lean,
-                          chunk=chunk or FAST_CHUNK, keep_logits=not chunk, lean=lean, share_prompts=lean)
+                          chunk=chunk or FAST_CHUNK, keep_logits=not chunk, lean=lean, share_prompts=lean,
+                          group=max(1, group))
 
 
 def adamw(params, fused: bool, **hyper) -> torch.optim.AdamW:

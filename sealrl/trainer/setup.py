@@ -28,7 +28,7 @@ from sealrl.experience import SamplingContract, digest
 from sealrl.models.hf import load_causal_lm, model_config_hash, padding_id, tokenizer_hash
 from sealrl.obs.timeline import StageTimer
 from sealrl.roles.actor import Actor
-from sealrl.roles.common import teacher_forcing
+from sealrl.roles.common import EXACT_MICRO, teacher_forcing
 from sealrl.roles.critic import Critic
 from sealrl.roles.reference import Reference
 from sealrl.roles.reward import Reward
@@ -261,7 +261,7 @@ def build_roles(cfg: Config, run_id: str) -> Roles:
         if cfg.algorithm.kl_coef > 0 and base is not None:   # LoRA: the base with the adapter off, no copy
             ref_version = dataclasses.replace(base.version, run_id="reference:base-adapter-off")
             make_reference = functools.partial(Reference, model, ref_version, temperature, pad,
-                                               cfg.actor.micro_batch_size, adapter_off=True)
+                                               cfg.actor.micro_batch_size or EXACT_MICRO, adapter_off=True)
         elif cfg.algorithm.kl_coef > 0:  # no reference model is loaded when the KL coefficient is 0
             state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
             ref_version = build_manifest(state, "reference", 0, 0, tok_hash, model_config_hash(model.config)).version
