@@ -72,7 +72,8 @@ def checksums(tensors: list[torch.Tensor]) -> list[str]:
     releases the GIL on large buffers, so a large set (a model's weights at every sync) is
     hashed on all the CPUs this process may use: the same digests, in about 1/CPUs of the time."""
     keys = [view_key(t) for t in tensors]
-    unique = list(dict(zip(keys, tensors)).values())
+    by_key = dict(zip(keys, tensors))   # one tensor per alias key, in first-seen order
+    unique = list(by_key.values())
     workers = min(len(unique), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                   else os.cpu_count() or 1, 8)
     if workers < 2 or sum(t.numel() * t.element_size() for t in unique) < PARALLEL_BYTES:
@@ -80,8 +81,8 @@ def checksums(tensors: list[torch.Tensor]) -> list[str]:
     else:
         with ThreadPoolExecutor(workers, thread_name_prefix="sealrl-sha256") as pool:
             digests = list(pool.map(tensor_sha256, unique))
-    by_key = dict(zip(dict.fromkeys(keys), digests))
-    return [by_key[k] for k in keys]
+    digest_of = dict(zip(by_key, digests))
+    return [digest_of[k] for k in keys]
 
 
 def entries_digest(entries: Mapping[str, TensorEntry]) -> str:
