@@ -9,6 +9,10 @@ advantages, PPO-clip 0.2 token-mean loss (TRL's default `dapo`), KL to a frozen 
 no bf16, no gradient checkpointing. TRL runs the whole 128-sample batch in one forward/backward
 (per_device_train_batch_size); sealrl runs its default micro-batches (the fewest equal runs of
 whole groups of at most 8,192 tokens: one at tiny and smollm2, two of 64 samples at mid).
+--micro-batch M sets a smaller micro-batch on both sides, one optimizer step per batch still:
+sealrl's `actor.micro_batch_size=M`, TRL's per_device_train_batch_size=M with
+gradient_accumulation_steps=B/M (TRL then generates the B samples once and accumulates B/M
+micro-batches; it still runs no old-log-prob forward, nor does sealrl).
 
 - sealrl: `train()` with the config below; per-iteration times are `time/iteration_s` of its
   metrics.jsonl (generation, reward, reference, old log-probs, update, weight sync, writing the
@@ -66,6 +70,7 @@ Run:
     .venv/bin/python benchmarks/vs_trl.py --max-new-tokens 64 --steps 30 --threads 2
     .venv/bin/python benchmarks/vs_trl.py --shape mid --max-new-tokens 64 --steps 4 --warmup 1 --rounds 1
     .venv/bin/python benchmarks/vs_trl.py --shape llama --max-new-tokens 128 --steps 3 --warmup 1 --rounds 1
+    .venv/bin/python benchmarks/vs_trl.py --shape mid --max-new-tokens 64 --steps 4 --warmup 1 --rounds 1 --micro-batch 32
 Needs the `bench` extra (`pip install -e .[bench]`: trl, datasets, accelerate). The last line
 printed is JSON.
 """
@@ -116,6 +121,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--old-log-prob", choices=("recompute", "bypass"), default="recompute",
                    help="sealrl's algorithm.old_log_prob (recompute = its default)")
     p.add_argument("--skip", choices=("sealrl", "trl"), default=None, help="run one side only")
+    p.add_argument("--micro-batch", type=int, default=0,
+                   help="samples per micro-batch on both sides (0: TRL's whole batch, sealrl's default)")
     return p.parse_args()
 
 
@@ -143,6 +150,10 @@ def step_flops(n: int, prompt_tokens: list[int], response_tokens: list[float]) -
 
 # ---- sealrl -------------------------------------------------------------------------------
 
+def micro_sets(args) -> list[str]:
+    return [f"actor.micro_batch_size={args.micro_batch}"] if args.micro_batch else []
+
+
 def run_sealrl(args, workdir: Path, name: str) -> dict:
     from sealrl.config import build_config
     from sealrl.experience.store import read_iteration
@@ -158,7 +169,7 @@ def run_sealrl(args, workdir: Path, name: str) -> dict:
         f"algorithm.old_log_prob={args.old_log_prob}",
         f"actor.lr={LR}", "actor.lr_schedule=constant", "actor.loss=clip", "actor.loss_agg=token-mean",
         "actor.clip_low=0.2", "actor.clip_high=0.2", "actor.grad_clip=1.0",
-        *SHAPE_SETS[args.shape], *args.sealrl_set,
+        *SHAPE_SETS[args.shape], *micro_sets(args), *args.sealrl_set,
     ])
     train(cfg)
     run = workdir / name
@@ -228,7 +239,8 @@ def run_trl(args, workdir: Path, name: str) -> dict:
 
     config = GRPOConfig(
         output_dir=str(workdir / name), use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-        per_device_train_batch_size=PROMPTS * N_GEN, gradient_accumulation_steps=1, num_generations=N_GEN,
+        per_device_train_batch_size=args.micro_batch or PROMPTS * N_GEN,
+        gradient_accumulation_steps=PROMPTS * N_GEN // (args.micro_batch or PROMPTS * N_GEN), num_generations=N_GEN,
         max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, beta=BETA,
         learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch", weight_decay=0.0,
         max_grad_norm=1.0, loss_type="dapo", epsilon=0.2, num_iterations=1, max_steps=args.steps,
@@ -290,7 +302,8 @@ def spawn_side(args, side: str, model: Path, workdir: Path, i: int) -> dict:
     cmd = [sys.executable, __file__, "--side", side, "--model", str(model), "--workdir", str(workdir),
            "--shape", args.shape, "--prompts", str(PROMPTS), "--max-new-tokens", str(args.max_new_tokens),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
-           "--rounds", str(i), "--old-log-prob", args.old_log_prob, "--sealrl-set", *args.sealrl_set]
+           "--rounds", str(i), "--old-log-prob", args.old_log_prob, "--micro-batch", str(args.micro_batch),
+           "--sealrl-set", *args.sealrl_set]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"{side} subprocess failed ({done.returncode}):\n{done.stderr[-4000:]}")
@@ -301,6 +314,9 @@ def main() -> None:
     global PROMPTS
     args = parse_args()
     PROMPTS = args.prompts or (4 if args.shape == "smollm2" else 16)
+    if args.micro_batch and (PROMPTS * N_GEN % args.micro_batch or args.micro_batch % N_GEN):
+        raise SystemExit(f"--micro-batch {args.micro_batch}: must divide the batch ({PROMPTS} x {N_GEN}) "
+                         f"and be a multiple of the group size {N_GEN}")
     if args.side:
         return run_side(args)
     from shapes import model_folder
@@ -316,7 +332,7 @@ def main() -> None:
         n = num_params(model)
         report = {"shape": args.shape, "prompts": PROMPTS, "max_new_tokens": args.max_new_tokens, "steps": args.steps,
                   "warmup": args.warmup, "rounds": args.rounds, "sealrl_old_log_prob": args.old_log_prob,
-                  "sealrl_set": SHAPE_SETS[args.shape] + args.sealrl_set,
+                  "micro_batch": args.micro_batch, "sealrl_set": SHAPE_SETS[args.shape] + args.sealrl_set,
                   "threads": args.threads, "params": n, "torch": torch.__version__}
         runs: dict[str, list[dict]] = {"sealrl": [], "trl": []}
         for i in range(args.rounds):
