@@ -70,7 +70,7 @@ Run:
     .venv/bin/python benchmarks/vs_trl.py --max-new-tokens 64 --steps 30 --threads 2
     .venv/bin/python benchmarks/vs_trl.py --shape mid --max-new-tokens 64 --steps 4 --warmup 1 --rounds 1
     .venv/bin/python benchmarks/vs_trl.py --shape llama --max-new-tokens 128 --steps 3 --warmup 1 --rounds 1
-    .venv/bin/python benchmarks/vs_trl.py --shape mid --max-new-tokens 64 --steps 4 --warmup 1 --rounds 1 --micro-batch 32
+    .venv/bin/python benchmarks/vs_trl.py --shape mid --max-new-tokens 64 --steps 4 --warmup 1 --micro-batch 32
 Needs the `bench` extra (`pip install -e .[bench]`: trl, datasets, accelerate). The last line
 printed is JSON.
 """
