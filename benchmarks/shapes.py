@@ -1,7 +1,8 @@
 """Model folders for benchmarks/vs_trl.py --shape: the embedded model (tiny), the random-init
 mid layout (sealrl/models/synthetic.py, written to a work folder), the random-init `llama`
-layout below (a shape none of the others has, to check that the speed carries past them), or
-the converted SmolLM2-135M-Instruct folder (None when it is absent)."""
+layout below (a shape none of the others has, to check that the speed carries past them), the
+mid layout with Qwen2.5's 151,936-token vocabulary (`qwenvocab`: a vocabulary four times the
+others'), or the converted SmolLM2-135M-Instruct folder (None when it is absent)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,12 +11,13 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from sealrl.models.hf import save_causal_lm
-from sealrl.models.synthetic import padded_char_tokenizer, save_mid
+from sealrl.models.synthetic import build_mid, padded_char_tokenizer, save_mid
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "sealrl" / "assets" / "arith-tiny"
 SMOLLM2 = ROOT / "models" / "smollm2-135m-instruct"
 LLAMA_VOCAB = 32000
+QWEN_VOCAB = 151936   # Qwen2.5 / Qwen3
 
 
 def save_llama(folder: Path, seed: int = 0) -> Path:
@@ -37,5 +39,7 @@ def model_folder(shape: str, workdir: Path, smollm2: Path | None = None) -> Path
         return save_mid(workdir / "mid-model")
     if shape == "llama":
         return save_llama(workdir / "llama-model")
+    if shape == "qwenvocab":   # the mid layout, its tied head 151,936 wide: 67.8M parameters, 58.3M of them the head
+        return save_causal_lm(*build_mid(vocab_size=QWEN_VOCAB), workdir / "qwenvocab-model")
     path = smollm2 or SMOLLM2
     return path if (path / "config.json").is_file() else None

@@ -36,7 +36,8 @@ tied embeddings, 16,384-token vocabulary, 15.7M parameters; benchmarks/shapes.py
 responses run to --max-new-tokens (64); `llama` a random-init layout none of the other shapes
 has, to check that the speed carries past the benchmark's own shapes (untied LM head, 32,000-token
 vocabulary, full multi-head attention, 45.4M parameters; benchmarks/shapes.py), run at 128 new
-tokens; `smollm2` the converted SmolLM2-135M-Instruct folder
+tokens; `qwenvocab` the mid layout with Qwen2.5's 151,936-token vocabulary (tied head, 67.8M
+parameters); `smollm2` the converted SmolLM2-135M-Instruct folder
 (--model-path, default models/smollm2-135m-instruct; skipped with a reason when absent) with
 its own tokenizer and chat template, 4 prompts x 8 unless --prompts says otherwise. sealrl
 runs its defaults, no speed key set: the fast path (roles/common.teacher_forcing: the lean
@@ -71,6 +72,7 @@ Run:
     .venv/bin/python benchmarks/vs_trl.py --shape mid --max-new-tokens 64 --steps 4 --warmup 1 --rounds 1
     .venv/bin/python benchmarks/vs_trl.py --shape llama --max-new-tokens 128 --steps 3 --warmup 1 --rounds 1
     .venv/bin/python benchmarks/vs_trl.py --shape mid --max-new-tokens 64 --steps 4 --warmup 1 --micro-batch 32
+    .venv/bin/python benchmarks/vs_trl.py --shape qwenvocab --max-new-tokens 64 --steps 3 --warmup 1 --rounds 1
 Needs the `bench` extra (`pip install -e .[bench]`: trl, datasets, accelerate). The last line
 printed is JSON.
 """
@@ -100,12 +102,12 @@ from sealrl.rewards.verifiers import answer_text  # noqa: E402
 
 PROMPTS, N_GEN, BETA, LR, NUM_TRAIN, SEED = 16, 8, 0.04, 1e-4, 2000, 0   # PROMPTS: set from --prompts/--shape
 # the workload's own keys per shape; no speed key (sealrl's defaults)
-SHAPE_SETS = {"tiny": [], "mid": [], "llama": [], "smollm2": ["data.max_prompt_tokens=256"]}
+SHAPE_SETS = {"tiny": [], "mid": [], "llama": [], "qwenvocab": [], "smollm2": ["data.max_prompt_tokens=256"]}
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", choices=("tiny", "mid", "llama", "smollm2"), default="tiny")
+    p.add_argument("--shape", choices=tuple(SHAPE_SETS), default="tiny")
     p.add_argument("--model-path", type=Path, default=None, help="smollm2: the converted folder")
     p.add_argument("--prompts", type=int, default=0, help="prompts per step (0: 4 for smollm2, else 16)")
     p.add_argument("--sealrl-set", nargs="*", default=[], help="extra sealrl key=value overrides")
