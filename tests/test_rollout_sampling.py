@@ -46,6 +46,22 @@ def test_uniforms_depend_on_seed_and_step_only():
     assert abs(block.mean().item() - 0.5) < 0.03 and abs(block.var().item() - 1 / 12) < 0.01
 
 
+def test_the_candidates_of_a_group_draw_uncorrelated_uniforms():
+    """GRPO's spread within a group needs its n samples drawn independently: the uniforms of the
+    8 candidates of 500 requests over 64 steps, pairwise, and of the 64 steps of a candidate."""
+    requests, n, steps = 500, 8, 64
+    seeds = torch.tensor([candidate_seed(1000 + r, c) for r in range(requests) for c in range(n)])
+    u = uniform_noise(seeds, torch.arange(steps)).view(requests, n, steps)
+    by_candidate = u.transpose(0, 1).reshape(n, -1)   # (8, 32,000)
+    by_step = u.reshape(-1, steps).t()                  # (64, 4,000)
+    for rows in (by_candidate, by_step):
+        r = torch.corrcoef(rows)
+        off = r[~torch.eye(len(rows), dtype=torch.bool)].abs().max().item()
+        # independent uniforms: each correlation has standard deviation 1/sqrt(N); 5 of them is
+        # passed by chance with probability < 1e-6 per pair (at most 2,016 pairs here)
+        assert off < 5 / math.sqrt(rows.shape[1])
+
+
 def test_candidate_seeds_are_stable_and_distinct():
     assert candidate_seed(7, 0) == candidate_seed(7, 0)
     seeds = {candidate_seed(s, c) for s in range(20) for c in range(20)}
