@@ -29,14 +29,6 @@ from learn_real_reward import compute_score  # noqa: E402
 from sealrl.experience.store import read_iteration  # noqa: E402
 
 
-def truth(value):
-    """A ground truth as the data row held it (the store keeps a JSON string)."""
-    try:
-        return json.loads(value) if isinstance(value, str) else value
-    except json.JSONDecodeError:
-        return value
-
-
 def check(run: Path, model: Path) -> dict:
     tok = AutoTokenizer.from_pretrained(model)
     out = {"iterations": 0, "samples": 0, "reward_mismatch": 0, "mask_mismatch": 0, "max_abs_advantage_diff": 0.0}
@@ -46,7 +38,7 @@ def check(run: Path, model: Path) -> dict:
         groups: dict[str, list[tuple[int, float]]] = {}
         for i, s in enumerate(batch.samples):
             r = compute_score(s.data_source, tok.decode(list(s.response_ids), skip_special_tokens=True),
-                              truth(s.ground_truth))
+                              json.loads(s.ground_truth))   # sealed as JSON text (trainer/prepare.py)
             out["reward_mismatch"] += abs(r - records[i].total) > 1e-9
             out["mask_mismatch"] += int(mask[i].sum()) != len(s.response_ids)
             groups.setdefault(s.group_id, []).append((i, r))

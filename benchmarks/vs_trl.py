@@ -239,10 +239,10 @@ def run_trl(args, workdir: Path, name: str) -> dict:
             if logs and "completions/mean_length" in logs:
                 self.lengths.append(logs["completions/mean_length"])
 
+    micro = args.micro_batch or PROMPTS * N_GEN   # one optimizer step per batch either way
     config = GRPOConfig(
         output_dir=str(workdir / name), use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-        per_device_train_batch_size=args.micro_batch or PROMPTS * N_GEN,
-        gradient_accumulation_steps=PROMPTS * N_GEN // (args.micro_batch or PROMPTS * N_GEN), num_generations=N_GEN,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=PROMPTS * N_GEN // micro, num_generations=N_GEN,
         max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, beta=BETA,
         learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch", weight_decay=0.0,
         max_grad_norm=1.0, loss_type="dapo", epsilon=0.2, num_iterations=1, max_steps=args.steps,
