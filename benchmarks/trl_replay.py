@@ -16,7 +16,11 @@ Each batch is also judged as benchmarks/sampler_check.py judges samples, under t
 trainer holds when it built the batch (the weights that sampled it, if TRL samples on policy): per
 response the sum of surprisal minus entropy, which has mean 0 when the tokens were drawn from
 softmax(logits / T) of those weights (`on_policy`: its mean, standard error and z over every
-response), and the judge's token-mean entropy per step beside the entropy TRL logged.
+response), and the judge's token-mean entropy per step beside the entropy TRL logged. And each
+batch's advantages are checked against its text: every completion decoded as the reward sees it
+(`skip_special_tokens=True`), scored by learn_real_reward.compute_score against its row's ground
+truth, and TRL's group formula recomputed from those scores (`advantages_from_text`: the largest
+difference from the advantages the trainer used).
 
 The last line printed is JSON (the same keys as `step_gradient.py --replay`, plus TRL's
 per-step entropy and reward and `on_policy`).
@@ -65,6 +69,19 @@ def batch_rows(kept: dict[str, torch.Tensor]) -> tuple[list[tuple], int]:
     return rows, int(kept["completion_mask"].sum())
 
 
+def advantage_gap(tokenizer, inputs: list[dict], out: dict, n: int) -> float:
+    """The largest |advantage TRL trains on - TRL's group formula on the batch's own text|: each
+    completion up to its mask decoded as TRL decodes it for the reward, scored against its row's
+    ground truth, (r - group mean) / (group std + 1e-4) over each run of n samples."""
+    rewards = []
+    for row, ids, mask in zip(inputs, out["completion_ids"], out["completion_mask"]):
+        text = tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
+        rewards.append(learn_real.compute_score(learn_real.learn_real_data.DATA_SOURCE, text, row["ground_truth"]))
+    grouped = torch.tensor(rewards, dtype=torch.float32).view(-1, n)
+    ours = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).flatten()
+    return float((ours - out["advantages"].flatten()).abs().max())
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -79,10 +96,12 @@ def main(argv=None) -> dict:
 
     judged: list[float] = []   # per response: the sum over its tokens of surprisal - entropy
     step_entropy: list[float] = []
+    advantage_diff: list[float] = []   # per batch: max |TRL's advantage - the one its text gives|
     gen = torch.Generator().manual_seed(args.seed)
 
-    def keep(*a, **k):   # every batch the trainer trains on, as it built it, judged by its sampling weights
-        out = generate(*a, **k)
+    def keep(inputs, *a, **k):   # every batch the trainer trains on, as it built it, judged by its sampling weights
+        out = generate(inputs, *a, **k)
+        advantage_diff.append(advantage_gap(trainer.processing_class, inputs, out, side.n))
         steps.append(batch_rows({name: out[name].detach().clone() for name in KEPT}))
         scored = [(sampler_check.judge(trainer.model, p, [r], side.temperature, gen)[0], len(r))
                   for p, r, _, _ in steps[-1][0]]
@@ -103,6 +122,7 @@ def main(argv=None) -> dict:
     logs = [h for h in trainer.state.log_history if "reward" in h]
     report = {"seed": args.seed, "steps": args.steps, **step_gradient.compare_changes(start, trained, replayed),
               "on_policy": {"responses": len(judged), **sampler_check.mean_z(np.array(judged))},
+              "advantages_from_text": {"max_abs_diff": max(advantage_diff), "per_step": advantage_diff},
               "judged_entropy": [round(x, 4) for x in step_entropy],
               "entropy": [round(h["entropy"], 4) for h in logs], "reward_mean": [round(h["reward"], 4) for h in logs]}
     print(json.dumps(report), flush=True)
