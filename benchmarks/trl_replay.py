@@ -23,7 +23,7 @@ truth, and TRL's group formula recomputed from those scores (`advantages_from_te
 difference from the advantages the trainer used).
 
 The last line printed is JSON (the same keys as `step_gradient.py --replay`, plus TRL's
-per-step entropy and reward and `on_policy`).
+per-step entropy and reward, `on_policy` and `advantages_from_text`).
 """
 from __future__ import annotations
 
