@@ -29,6 +29,12 @@ from learn_real_reward import compute_score  # noqa: E402
 from sealrl.experience.store import read_iteration  # noqa: E402
 
 
+def trl_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """TRL's GRPO advantages of groups along the last dimension: (r - mean) / (std + 1e-4), std
+    unbiased (TRL's `nanstd`)."""
+    return (rewards - rewards.mean(-1, keepdim=True)) / (rewards.std(-1, keepdim=True) + 1e-4)
+
+
 def check(run: Path, model: Path) -> dict:
     tok = AutoTokenizer.from_pretrained(model)
     out = {"iterations": 0, "samples": 0, "reward_mismatch": 0, "mask_mismatch": 0, "max_abs_advantage_diff": 0.0}
@@ -43,8 +49,7 @@ def check(run: Path, model: Path) -> dict:
             out["mask_mismatch"] += int(mask[i].sum()) != len(s.response_ids)
             groups.setdefault(s.group_id, []).append((i, r))
         for members in groups.values():
-            rewards = torch.tensor([r for _, r in members], dtype=torch.float32)
-            trl = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+            trl = trl_advantages(torch.tensor([r for _, r in members], dtype=torch.float32))
             for (i, _), a in zip(members, trl):
                 diff = float((adv[i, :len(batch.samples[i].response_ids)] - a).abs().max())
                 out["max_abs_advantage_diff"] = max(out["max_abs_advantage_diff"], diff)

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import advantage_check  # noqa: E402
 import learn_real  # noqa: E402
 import sampler_check  # noqa: E402
 import step_gradient  # noqa: E402
@@ -77,8 +78,7 @@ def advantage_gap(tokenizer, inputs: list[dict], out: dict, n: int) -> float:
     for row, ids, mask in zip(inputs, out["completion_ids"], out["completion_mask"]):
         text = tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
         rewards.append(learn_real.compute_score(learn_real.learn_real_data.DATA_SOURCE, text, row["ground_truth"]))
-    grouped = torch.tensor(rewards, dtype=torch.float32).view(-1, n)
-    ours = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).flatten()
+    ours = advantage_check.trl_advantages(torch.tensor(rewards, dtype=torch.float32).view(-1, n)).flatten()
     return float((ours - out["advantages"].flatten()).abs().max())
 
 
