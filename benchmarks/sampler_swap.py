@@ -61,8 +61,9 @@ def block_means(values: list[float]) -> list[float]:
 
 def paired(diffs: list[float]) -> dict:
     mean = statistics.mean(diffs)
-    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
-    return {"mean": round(mean, 4), "se": round(se, 4), "t": round(mean / se, 2) if se else None,
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None
+    return {"mean": round(mean, 4), "se": None if se is None else round(se, 4),
+            "t": round(mean / se, 2) if se else None,
             "above": sum(d > 0 for d in diffs), "seeds": len(diffs)}
 
 
