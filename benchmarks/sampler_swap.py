@@ -56,6 +56,7 @@ def child(argv: list[str]) -> None:
 
 
 def block_means(values: list[float]) -> list[float]:
+    """The mean of each 10-step block the values reach."""
     return [statistics.mean(values[a:b]) for a, b in BLOCKS if len(values) >= b]
 
 
@@ -108,6 +109,9 @@ def main() -> None:
                 if line.startswith(LOG_PREFIX) for m in [line[len(LOG_PREFIX):].split(": ", 1)]}
         print(json.dumps(compare(runs, args.paired)))
         return
+    if not Path("models/smollm2-135m-instruct/config.json").is_file():   # learn_real's default --model-path
+        sys.exit("sampler_swap: no converted SmolLM2-135M-Instruct folder at models/smollm2-135m-instruct "
+                 "(`make smollm2`; run from the repository root)")
     runs = {}
     for seed in [int(s) for s in args.seeds.split(",") if s.strip()]:
         cmd = [sys.executable, __file__, "--side", "sealrl", "--seed", str(seed), "--data", str(args.data),
