@@ -109,8 +109,11 @@ def main() -> None:
                 if line.startswith(LOG_PREFIX) for m in [line[len(LOG_PREFIX):].split(": ", 1)]}
         print(json.dumps(compare(runs, args.paired)))
         return
-    if not Path("models/smollm2-135m-instruct/config.json").is_file():   # learn_real's default --model-path
-        sys.exit("sampler_swap: no converted SmolLM2-135M-Instruct folder at models/smollm2-135m-instruct "
+    sys.path.insert(0, str(HERE))
+    import learn_real
+    model = learn_real.parse_args([]).model_path   # the children run learn_real's default model
+    if not (model / "config.json").is_file():
+        sys.exit(f"sampler_swap: no converted SmolLM2-135M-Instruct folder at {model} "
                  "(`make smollm2`; run from the repository root)")
     runs = {}
     for seed in [int(s) for s in args.seeds.split(",") if s.strip()]:
