@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass
@@ -167,7 +168,10 @@ def test_a_host_killed_from_outside_is_named(kind):
         with pytest.raises(kind.lost) as e:
             kind.call(host, "echo", 1)
         if kind.lost is HostLostError:
-            assert str(e.value) == f"{kind.name} host (pid {pid}) exited with code -9 during echo"
+            # "before": the process was gone before the call was sent (its pipe already broken,
+            # as on a loaded machine); "during": it was sent, and the process never answered
+            assert re.fullmatch(rf"{kind.name} host \(pid {pid}\) exited with code -9 (before|during) echo",
+                                str(e.value)), str(e.value)
         else:
             assert e.value.lost and "role echo worker 0: echo: the worker's process died" in str(e.value)
     finally:
