@@ -29,11 +29,12 @@ DEATH = re.compile(r"Fatal Python error|Segmentation fault|Bus error|terminate c
 
 
 def deaths(since: float, tail: int = 60) -> list[str]:
-    """From each Ray log written since `since` (epoch seconds) that says how a process died
-    (DEATH: a fault handler's stack, a C++ abort, an allocation failure), its lines from the
-    first such one on, at most `tail`, each prefixed by the file's name."""
+    """From each Ray worker's log written since `since` (epoch seconds) that says how the worker
+    died (DEATH: a fault handler's stack, a C++ abort, an allocation failure), its lines from the
+    first such one on, at most `tail`, each prefixed by the file's name. (Ray's own logs are left
+    out: their hints name these causes as possibilities.)"""
     found = []
-    for log in sorted(RAY_LOGS.glob("session_*/logs/*")):
+    for log in sorted(RAY_LOGS.glob("session_*/logs/worker-*")):
         if log.is_file() and log.stat().st_mtime >= since:
             lines = log.read_text(errors="replace").splitlines()
             first = next((i for i, line in enumerate(lines) if DEATH.search(line)), None)
