@@ -25,7 +25,8 @@ from pathlib import Path
 
 LANES = {"ray": ["-m", "ray"], "rest": ["-m", "not ray"]}
 RAY_LOGS = Path(tempfile.gettempdir()) / "ray"
-DEATH = re.compile(r"Fatal Python error|Segmentation fault|Bus error|terminate called|out of memory")
+DEATH = re.compile(r"Fatal Python error|\*\*\* SIG[A-Z]+ received|Segmentation fault|Bus error|terminate called|"
+                   r"out of memory")
 
 
 def deaths(since: float, tail: int = 60) -> list[str]:
