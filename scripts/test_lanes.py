@@ -31,7 +31,7 @@ DEATH = re.compile(r"Fatal Python error|\*\*\* SIG[A-Z]+ received|Segmentation f
 
 def deaths(since: float, tail: int = 60) -> list[str]:
     """From each Ray worker's log written since `since` (epoch seconds) that says how the worker
-    died (DEATH: a fault handler's stack, a C++ abort, an allocation failure), its lines from the
+    died (DEATH: a fault handler's stack, Ray's own signal line, a C++ abort, an allocation failure), its lines from the
     first such one on, at most `tail`, each prefixed by the file's name. (Ray's own logs are left
     out: their hints name these causes as possibilities.)"""
     found = []
