@@ -11,7 +11,7 @@ to both lanes' pytest (e.g. `-x`, `--timeout 900`).
 A process that dies of a signal (a Ray worker: "the worker's process died") leaves no Python
 traceback in pytest's report. The lanes run with PYTHONFAULTHANDLER=1, which Ray's workers
 inherit, so such a process writes its stack to its log; when a lane fails, the lines of this
-run's Ray logs that tell how a process died are printed last.
+run's Ray worker logs that tell how a worker died are printed last (`deaths`).
 """
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ DEATH = re.compile(r"Fatal Python error|\*\*\* SIG[A-Z]+ received|Segmentation f
 
 def deaths(since: float, tail: int = 60) -> list[str]:
     """From each Ray worker's log written since `since` (epoch seconds) that says how the worker
-    died (DEATH: a fault handler's stack, Ray's own signal line, a C++ abort, an allocation failure), its lines from the
-    first such one on, at most `tail`, each prefixed by the file's name. (Ray's own logs are left
-    out: their hints name these causes as possibilities.)"""
+    died (DEATH: a fault handler's stack, Ray's own signal line, a C++ abort, an allocation
+    failure), its lines from the first such one on, at most `tail`, each prefixed by the file's
+    name. Ray's own logs are left out: their hints name these causes as possibilities."""
     found = []
     for log in sorted(RAY_LOGS.glob("session_*/logs/worker-*")):
         if log.is_file() and log.stat().st_mtime >= since:
