@@ -6,6 +6,9 @@ with gradients (`Actor.compute_old_log_probs`), the update (backward + AdamW; `A
 the reference pass (`Reference.compute`), through the roles' own code. Variants (lists of actor
 config overrides) run in one process, alternating, so machine load drifts over all alike; each
 pass's FLOP utilisation is given against a matmul throughput measured in the same process.
+Freed memory stays in malloc's heap, as in a run (`run.hold_freed_memory`, trainer/memory.py);
+--trim leaves malloc as it is, so each pass faults its fresh buffers in again (before session 29
+this script always did: its figures for the passes with gradients were then up to 2x a run's).
 
     PYTHONPATH=. .venv/bin/python benchmarks/train_passes.py --threads 1 --repeats 3 \
         --variant fast: --variant exact:run.exact=true
@@ -41,6 +44,7 @@ from sealrl.models.synthetic import build_mid  # noqa: E402
 from sealrl.roles import common  # noqa: E402
 from sealrl.roles.actor import Actor  # noqa: E402
 from sealrl.roles.reference import Reference  # noqa: E402
+from sealrl.trainer.memory import hold_freed_memory  # noqa: E402
 
 V0 = PolicyVersion("run", 0, 0, "w0", "t0", "c0")
 TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "sealrl", "assets", "arith-tiny")
@@ -119,7 +123,10 @@ def main() -> None:
                    help="NAME:key=value,key=value (config overrides); default fast:")
     p.add_argument("--shape", choices=sorted(SHAPES), default="mid")
     p.add_argument("--response", type=int, default=0, help="response tokens (0: 64 at mid, 4 at tiny)")
+    p.add_argument("--trim", action="store_true", help="malloc as it is: freed memory goes back to the OS "
+                   "(run.hold_freed_memory=false); default: held, as a run holds it")
     args = p.parse_args()
+    held = False if args.trim else hold_freed_memory()
     response = args.response or (64 if args.shape == "mid" else 4)
     torch.set_num_threads(args.threads)
     variants = [(name, [x for x in keys.split(",") if x])
@@ -144,7 +151,8 @@ def main() -> None:
     peak, peak_cpu = max(gf), statistics.median(gc)
     summary = {"shape": args.shape, "threads": args.threads, "tokens": tokens, "params": n_params,
                "matmul_gflops_max": round(peak, 1),
-               "matmul_cpu_gflops_median": round(peak_cpu, 1), "load_avg_1m": os.getloadavg()[0]}
+               "matmul_cpu_gflops_median": round(peak_cpu, 1), "load_avg_1m": os.getloadavg()[0],
+               "hold_freed_memory": held}
     for name, rows in results.items():
         keys = [k for k in rows[0] if k.split("_cpu")[0] in ("reference", "old_log_prob", "snapshot", "update")]
         med = {k: statistics.median(r[k] for r in rows) for k in keys}
