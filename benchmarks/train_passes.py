@@ -8,7 +8,7 @@ config overrides) run in one process, alternating, so machine load drifts over a
 pass's FLOP utilisation is given against a matmul throughput measured in the same process.
 Freed memory stays in malloc's heap, as in a run (`run.hold_freed_memory`, trainer/memory.py);
 --trim leaves malloc as it is, so each pass faults its fresh buffers in again (before session 29
-this script always did: its figures for the passes with gradients were then up to 2x a run's).
+this script always did: at mid its forward with gradients then took 1.5x a run's, session 29).
 
     PYTHONPATH=. .venv/bin/python benchmarks/train_passes.py --threads 1 --repeats 3 \
         --variant fast: --variant exact:run.exact=true
