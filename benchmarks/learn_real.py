@@ -365,6 +365,7 @@ def finish(report: dict, results: dict[str, list[dict]]) -> dict:
         report["train_wall_ratio_trl_over_sealrl"] = round(t["train_wall_s"] / s["train_wall_s"], 3)
         report["after_minus_trl_points"] = round(100 * (s["after"] - t["after"]), 2)
         report.update(paired(results["sealrl"], results["trl"]))
+        report["paired_blocks"] = paired_blocks(results["sealrl"], results["trl"], report["args"]["eval_every"])
     return report
 
 
@@ -381,6 +382,33 @@ def paired(sealrl: list[dict], trl: list[dict]) -> dict:
            "paired_mean_points": round(statistics.mean(diffs), 2)}
     if len(diffs) > 1:
         out["paired_stderr_points"] = round(statistics.stdev(diffs) / len(diffs) ** 0.5, 2)
+    return out
+
+
+BLOCK_KEYS = ("reward_mean", "entropy", "response_len", "grad_norm")   # per-step logs, both sides
+
+
+def paired_blocks(sealrl: list[dict], trl: list[dict], block: int) -> dict:
+    """Per-step logs of the paired seeds, sealrl minus TRL, averaged over each block of `block`
+    steps: per block the seeds that logged it on both sides, the mean difference over them, its t
+    (mean / standard error) and how many seeds are above 0. What sessions 25-28 tallied by hand."""
+    by_seed = {r["seed"]: r for r in trl}
+    out = {}
+    for key in BLOCK_KEYS:
+        rows = []
+        for start in range(0, max((len(s.get(key) or []) for s in sealrl), default=0), block):
+            diffs = [statistics.mean(s[key][start:start + block]) - statistics.mean(t[key][start:start + block])
+                     for s in sealrl if (t := by_seed.get(s["seed"])) is not None
+                     and min(len(s.get(key) or []), len(t.get(key) or [])) >= start + block]
+            if len(diffs) < 2:
+                continue
+            se = statistics.stdev(diffs) / len(diffs) ** 0.5
+            rows.append({"steps": f"{start + 1}-{start + block}", "seeds": len(diffs),
+                         "mean": round(statistics.mean(diffs), 4),
+                         "t": round(statistics.mean(diffs) / se, 2) if se > 0 else None,
+                         "above": sum(d > 0 for d in diffs)})
+        if rows:
+            out[key] = rows
     return out
 
 

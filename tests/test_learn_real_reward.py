@@ -129,7 +129,7 @@ def _run_log(tmp_path, name: str, seeds: dict[str, list[tuple[int, float]]], **a
     """A learn_real.py log whose report holds, per side, (seed, accuracy after) of 30 steps."""
     lr = load_benchmark("learn_real")
     report = {"args": {"seeds": ",".join(str(s) for s, _ in next(iter(seeds.values()))), "iterations": 30,
-                       "prompts": 4, "n": 8, "lr": 2e-5, "skip": None, **args}}
+                       "prompts": 4, "n": 8, "lr": 2e-5, "eval_every": 10, "skip": None, **args}}
     results = {side: [{"seed": s, "curve": [[0, 0.2], [960, after]], "before": 0.2, "after": after,
                        "gain_points": round(100 * (after - 0.2), 2), "train_wall_s": 100.0 * (1 + i),
                        "eval_s": 10.0} for s, after in runs] for i, (side, runs) in enumerate(seeds.items())}
@@ -187,6 +187,23 @@ def test_merge_reads_the_finished_seeds_of_a_stopped_run(tmp_path):
         lr.merge([a, named])
     named.write_text(lr.ARGS_LINE + json.dumps(args) + "\n" + "\n".join(lines) + "\n")
     assert "unchecked" not in lr.merge([a, named])["args"]
+
+
+def test_paired_blocks_compare_the_per_step_logs_seed_by_seed():
+    """The report's paired_blocks: per block of eval_every steps, sealrl minus TRL averaged over
+    the block, then over the seeds that logged the block on both sides, with t and the count above 0."""
+    lr = load_benchmark("learn_real")
+    sealrl = [{"seed": 0, "entropy": [1.0] * 4}, {"seed": 1, "entropy": [0.5, 0.5, 0.2, 0.4]},
+              {"seed": 2, "entropy": [0.9] * 2}, {"seed": 7, "entropy": [0.0] * 4}]
+    trl = [{"seed": 0, "entropy": [0.8, 0.6, 1.0, 1.0]}, {"seed": 1, "entropy": [0.6] * 4},
+           {"seed": 2, "entropy": [0.9] * 4}]   # seed 2 logged one block on sealrl's side; 7 has no pair
+    blocks = lr.paired_blocks(sealrl, trl, 2)
+    assert set(blocks) == {"entropy"}
+    first, second = blocks["entropy"]
+    # first block: seed 0 +0.3, seed 1 -0.1, seed 2 0.0 -> mean 0.0667, stdev 0.2082, se 0.1202
+    assert first == {"steps": "1-2", "seeds": 3, "mean": 0.0667, "t": 0.55, "above": 1}
+    # second block: seed 0 0.0, seed 1 -0.3 (seed 2 did not log it)
+    assert second == {"steps": "3-4", "seeds": 2, "mean": -0.15, "t": -1.0, "above": 0}
 
 
 def test_the_paired_order_is_the_one_sealrls_sampler_takes():
