@@ -32,6 +32,8 @@ step both sides train on the same prompts and a seed's two results differ only b
 does with them; each side records the prompt ids it trained on per step, the report says whether
 they matched (`same_prompts`) and gives the paired difference of the final accuracies. `own`: each
 side shuffles with its own sampler (the runs of sessions 18-20): the same rows, not the same order.
+`paired_blocks` sets the two sides' per-step logs (training reward, entropy, response length,
+gradient norm) against each other the same way, a block of --eval-every steps at a time.
 
 Run (the last line printed is JSON; stderr gets the workload first, then each finished side and
 seed as one line, so a stopped run keeps what it measured and --merge can read it;
