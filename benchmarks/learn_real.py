@@ -371,11 +371,16 @@ def finish(report: dict, results: dict[str, list[dict]]) -> dict:
     return report
 
 
+def seed_pairs(sealrl: list[dict], trl: list[dict]) -> list[tuple[dict, dict]]:
+    """(sealrl's result, TRL's result) for each seed both sides ran, in sealrl's order."""
+    by_seed = {r["seed"]: r for r in trl}
+    return [(s, by_seed[s["seed"]]) for s in sealrl if s["seed"] in by_seed]
+
+
 def paired(sealrl: list[dict], trl: list[dict]) -> dict:
     """Seed by seed, for the seeds both sides ran: did they train on the same prompts at every
     step, and sealrl's final accuracy minus TRL's (points), with the mean and its standard error."""
-    by_seed = {r["seed"]: r for r in trl}
-    pairs = [(s, by_seed[s["seed"]]) for s in sealrl if s["seed"] in by_seed]
+    pairs = seed_pairs(sealrl, trl)
     if not pairs:
         return {}
     diffs = [round(100 * (s["after"] - t["after"]), 2) for s, t in pairs]
@@ -394,14 +399,14 @@ def paired_blocks(sealrl: list[dict], trl: list[dict], block: int) -> dict:
     """Per-step logs of the paired seeds, sealrl minus TRL, averaged over each block of `block`
     steps: per block the seeds that logged it on both sides, the mean difference over them, its t
     (mean / standard error) and how many seeds are above 0. What sessions 25-28 tallied by hand."""
-    by_seed = {r["seed"]: r for r in trl}
+    pairs = seed_pairs(sealrl, trl)
     out = {}
     for key in BLOCK_KEYS:
+        logged = [(s[key], t[key]) for s, t in pairs if s.get(key) and t.get(key)]
         rows = []
-        for start in range(0, max((len(s.get(key) or []) for s in sealrl), default=0), block):
-            diffs = [statistics.mean(s[key][start:start + block]) - statistics.mean(t[key][start:start + block])
-                     for s in sealrl if (t := by_seed.get(s["seed"])) is not None
-                     and min(len(s.get(key) or []), len(t.get(key) or [])) >= start + block]
+        for start in range(0, max((min(len(a), len(b)) for a, b in logged), default=0), block):
+            diffs = [statistics.mean(a[start:start + block]) - statistics.mean(b[start:start + block])
+                     for a, b in logged if min(len(a), len(b)) >= start + block]
             if len(diffs) < 2:
                 continue
             se = statistics.stdev(diffs) / len(diffs) ** 0.5
